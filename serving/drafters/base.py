@@ -1,0 +1,52 @@
+"""The one drafter interface the speculative loop talks to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from serving.kv import tree_depths
+from serving.types import SamplingParams
+
+
+@dataclass
+class Draft:
+    """Proposed tokens. A chain when `parents` is None, else a tree in topological order.
+
+    q [k, V]: the distribution each chain token was drawn from (after the shared sampling transform);
+    None means deterministic drafting (one-hot q). parents[i] = -1 marks a child of the last
+    committed token.
+    """
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    @property
+    def depth(self) -> int:
+        if self.parents is None:
+            return len(self.tokens)
+        return max(tree_depths(self.parents), default=0)
+
+
+EMPTY = Draft(tokens=[])
+
+
+class Drafter(Protocol):
+    name: str
+
+    def reset(self) -> None:
+        """Forget per-sequence state before a new request (learned statistics may persist)."""
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        """Up to k tokens (or a tree of at most k nodes) continuing `context` (all committed tokens)."""
+
+    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """See the target's logits [n, V] at the tokens [n] of a verify pass (Token Recycling learns here)."""

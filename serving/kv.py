@@ -1,0 +1,86 @@
+"""A causal LM plus its KV cache for one sequence: prefill, chain or tree forward, rollback.
+
+The cache always holds every committed token but the last; rollback crops or compacts it so the
+prefix is never recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [1, 1, n+1, past+n+1] for the root (the last committed token) plus n tree nodes.
+
+    Every row sees the whole cached prefix; node i sees the root, its ancestors and itself.
+    """
+    n = len(parents)
+    visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    visible[:, 0] = True
+    for node, parent in enumerate(parents):
+        row = node + 1
+        if parent >= 0:
+            visible[row] = visible[parent + 1]
+        visible[row, row] = True
+    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype)
+    mask[0, 0, :, past:] = torch.where(visible, 0.0, torch.finfo(dtype).min)
+    return mask
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node; the root (last committed token) has depth 0, its children depth 1."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+class CachedLM:
+    """Runs `model` on one growing sequence with a DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def prefill(self, token_ids: list[int]) -> None:
+        """Append tokens whose logits are not needed (logits_to_keep=1 skips the LM head over the prompt)."""
+        if token_ids:
+            self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+
+    def forward(self, token_ids: list[int]) -> torch.Tensor:
+        """Append a chain of tokens; logits [n, V] for each of them."""
+        out = self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True)
+        return out.logits[0]
+
+    def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Append the root plus tree nodes in one pass; logits [n+1, V] (row 0: root)."""
+        past = self.length
+        positions = torch.tensor([[past] + [past + d for d in tree_depths(parents)]])
+        mask = tree_attention_mask(parents, past, self.model.dtype)
+        out = self.model(torch.tensor([[root] + tokens]), attention_mask=mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[0]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached tokens (transformers 5 crops by a negative count)."""
+        surplus = self.length - length
+        if surplus > 0:
+            self.cache.crop(-surplus)
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep cache entries start+offsets (ascending) and drop the rest after `start`.
+
+        Used after tree verification: the accepted path is scattered among the tree's nodes.
+        """
+        if offsets == list(range(len(offsets))):
+            self.crop(start + len(offsets))
+            return
+        index = torch.tensor(offsets) + start
+        for layer in self.cache.layers:
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, index]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, index]], dim=2)

@@ -1,0 +1,136 @@
+"""The speculative decoding loop, batch 1: draft, verify in one target pass, commit, roll back the cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from serving.drafters.base import EMPTY, Draft, Drafter
+from serving.kv import CachedLM
+from serving.sampling import logits_to_probs
+from serving.target import Target
+from serving.types import Generation, GenerationStats, SamplingParams
+from serving.verify import VERIFIERS, verify_tree
+
+
+class GenerationRequestError(ValueError):
+    """The request cannot be served as asked (empty prompt, too long, bad budget)."""
+
+
+class GenerationStream:
+    """Iterate to receive newly committed tokens step by step; `.generation` fills in as it goes."""
+
+    def __init__(self, steps: Iterator[list[int]], generation: Generation) -> None:
+        self._steps = steps
+        self.generation = generation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._steps
+
+    def close(self) -> None:
+        """Stop early (a client went away); the cache is released with the iterator."""
+        self._steps.close()  # type: ignore[attr-defined]
+
+
+class SpeculativeGenerator:
+    def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
+                 draft_tokens: int = 5) -> None:
+        if verifier not in VERIFIERS:
+            raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
+        if draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+        self.target = target
+        self.drafter = drafter
+        self.verifier = verifier
+        self.draft_tokens = draft_tokens
+        self.eos = target.eos_token_ids
+
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise GenerationRequestError("The prompt is empty.")
+        if max_new_tokens < 1:
+            raise GenerationRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        limit = self.target.max_context
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise GenerationRequestError(
+                f"The prompt has {len(prompt_ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
+                f"target's context of {limit} tokens.")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 seed: int | None = None) -> Generation:
+        stream = self.stream(prompt_ids, max_new_tokens, sampling, seed)
+        for _ in stream:
+            pass
+        return stream.generation
+
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               seed: int | None = None) -> GenerationStream:
+        self.check_request(prompt_ids, max_new_tokens)
+        if self.verifier == "greedy" and not sampling.greedy:
+            raise GenerationRequestError("The greedy verifier needs temperature 0; use 'rejection' or 'block' to sample.")
+        generation = Generation(token_ids=[], stats=GenerationStats(), finish_reason="length")
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        return GenerationStream(self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation),
+                                generation)
+
+    def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
+               generator: torch.Generator, out: Generation) -> Iterator[list[int]]:
+        stats = out.stats
+        start = time.perf_counter()
+        with torch.inference_mode():
+            lm = CachedLM(self.target.model)
+            lm.prefill(context[:-1])
+            if self.drafter is not None:
+                self.drafter.reset()
+            stats.prefill_s = time.perf_counter() - start
+            while stats.new_tokens < max_new_tokens:
+                k = min(self.draft_tokens, max_new_tokens - stats.new_tokens - 1)
+                tick = time.perf_counter()
+                draft = self.drafter.propose(context, k, sampling, generator) if self.drafter and k > 0 else EMPTY
+                tock = time.perf_counter()
+                accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)
+                stats.draft_s += tock - tick
+                stats.verify_s += time.perf_counter() - tock
+                stats.record_step(len(draft.tokens), len(accepted), draft.depth)
+                new = accepted + [next_token]
+                stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+                if stop is not None:
+                    new = new[: stop + 1]
+                    out.finish_reason = "stop"
+                stats.bonus += int(len(accepted) == len(draft.tokens) > 0 and not draft.is_tree)
+                context.extend(new)
+                out.token_ids.extend(new)
+                stats.new_tokens += len(new)
+                stats.total_s = time.perf_counter() - start
+                yield new
+                if stop is not None:
+                    break
+
+    def _verify(self, lm: CachedLM, last: int, draft: Draft, sampling: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+        """One target pass over [last] + draft; returns the accepted draft tokens and the next token.
+
+        Leaves the cache holding everything up to and including the accepted tokens.
+        """
+        past = lm.length
+        if draft.is_tree:
+            logits = lm.forward_tree(last, draft.tokens, draft.parents)  # [n+1, V]
+            p = logits if sampling.greedy else logits_to_probs(logits, sampling)
+            path, next_token = verify_tree(torch.tensor(draft.tokens), draft.parents, p, sampling.greedy, generator)
+            lm.keep(past, [0] + [node + 1 for node in path])
+            accepted = [draft.tokens[node] for node in path]
+            seen = [last] + draft.tokens
+        else:
+            seen = [last] + draft.tokens
+            logits = lm.forward(seen)  # [k+1, V]
+            # Greedy needs only the argmax, so it skips the softmax over the whole vocabulary. At
+            # temperature 0 the other rules get one-hot p and reduce to greedy through their own code.
+            p = logits if self.verifier == "greedy" else logits_to_probs(logits, sampling)
+            n, next_token = VERIFIERS[self.verifier](torch.tensor(draft.tokens, dtype=torch.long), draft.q, p, generator)
+            lm.crop(past + 1 + n)
+            accepted = draft.tokens[:n]
+        if self.drafter is not None:
+            self.drafter.observe(seen, logits)
+        return accepted, next_token
