@@ -21,9 +21,10 @@ from tqdm import tqdm
 from serving.factory import DecodingConfig, build_drafter
 from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt
+from serving.types import GenerationStats
 
-# A method maps prompt ids to (new token ids, target forward passes or None when unknown).
-Method = Callable[[list[int]], tuple[list[int], int | None]]
+# A method maps prompt ids to (new token ids, our loop's stats or None for HF generate).
+Method = Callable[[list[int]], tuple[list[int], GenerationStats | None]]
 BASELINE = "hf_ar"
 
 
@@ -41,7 +42,7 @@ class BenchConfig:
 
 
 def _hf_method(target: Target, max_new_tokens: int, **kwargs: Any) -> Method:
-    def run(ids: list[int]) -> tuple[list[int], int | None]:
+    def run(ids: list[int]) -> tuple[list[int], GenerationStats | None]:
         inputs = torch.tensor([ids])
         out = target.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
                                     do_sample=False, **kwargs)
@@ -50,9 +51,9 @@ def _hf_method(target: Target, max_new_tokens: int, **kwargs: Any) -> Method:
 
 
 def _our_method(generator: SpeculativeGenerator, max_new_tokens: int) -> Method:
-    def run(ids: list[int]) -> tuple[list[int], int | None]:
+    def run(ids: list[int]) -> tuple[list[int], GenerationStats | None]:
         result = generator.generate(ids, max_new_tokens)
-        return result.token_ids, result.stats.steps
+        return result.token_ids, result.stats
     return run
 
 
@@ -87,6 +88,23 @@ def environment() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "versions": versions}
 
 
+def merge_stats(into: GenerationStats, stats: GenerationStats) -> None:
+    """Add one generation's counters to a running total (per-position lists padded as needed)."""
+    for name in ("steps", "drafted", "accepted", "bonus", "new_tokens", "prefill_s", "draft_s", "verify_s", "total_s"):
+        setattr(into, name, getattr(into, name) + getattr(stats, name))
+    for attr in ("accepted_per_position", "drafted_per_position"):
+        total, extra = getattr(into, attr), getattr(stats, attr)
+        total.extend([0] * (len(extra) - len(total)))
+        for i, count in enumerate(extra):
+            total[i] += count
+
+
+def acceptance_per_position(stats: GenerationStats) -> list[float]:
+    """[i]: of the steps that drafted a token at depth i+1, the fraction that accepted one there."""
+    accepted = stats.accepted_per_position + [0] * (len(stats.drafted_per_position) - len(stats.accepted_per_position))
+    return [round(a / d, 4) for a, d in zip(accepted, stats.drafted_per_position, strict=True)]
+
+
 def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig) -> dict[str, Any]:
     encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
     encoded = [ids for ids in encoded if len(ids) <= cfg.max_prompt_tokens]
@@ -96,7 +114,8 @@ def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: Benc
     with torch.inference_mode():
         for run in methods.values():
             run(encoded[0][:32])  # warm-up: allocator, kernels, lazy imports
-    totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "identical": 0} for name in methods}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0} for name in methods}
+    merged: dict[str, GenerationStats] = {name: GenerationStats() for name in methods}
     per_prompt: list[dict[str, Any]] = []
     for ids in tqdm(encoded, desc="bench prompts", unit="prompt"):
         reference: list[int] | None = None
@@ -104,13 +123,14 @@ def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: Benc
         for name, run in methods.items():
             start = time.perf_counter()
             with torch.inference_mode():
-                tokens, steps = run(ids)
+                tokens, stats = run(ids)
             seconds = time.perf_counter() - start
             reference = tokens if name == BASELINE else reference
             total = totals[name]
             total["tokens"] += len(tokens)
             total["seconds"] += seconds
-            total["steps"] += steps or 0
+            if stats is not None:
+                merge_stats(merged[name], stats)
             total["identical"] += int(tokens == reference)
             row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4), "identical": tokens == reference}
         per_prompt.append(row)
@@ -118,10 +138,14 @@ def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: Benc
     results = {}
     for name, total in totals.items():
         tps = total["tokens"] / total["seconds"]
+        stats = merged[name]
         results[name] = {
             "tokens_per_s": round(tps, 3),
             "speedup_vs_ar": round(tps / base_tps, 4),
-            "mean_accepted_length": round(total["tokens"] / total["steps"], 4) if total["steps"] else None,
+            "mean_accepted_length": round(stats.mean_accepted_length, 4) if stats.steps else None,
+            "acceptance_rate": round(stats.acceptance_rate, 4) if stats.steps else None,
+            "acceptance_per_position": acceptance_per_position(stats),
+            "draft_s": round(stats.draft_s, 3), "verify_s": round(stats.verify_s, 3),
             "identical_to_ar": total["identical"] == len(encoded),
             "identical_prompts": total["identical"],
             "new_tokens": total["tokens"],

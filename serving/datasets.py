@@ -1,6 +1,8 @@
 """Readers for the prompt sources: ShareGPT, HumanEval and user JSONL files.
 
-Every reader yields (row, error): exactly one of them is None, so callers count malformed rows
+The formats are defined once, here, so benchmarks, serving tools and the pipeline's prepare stage
+read the same prompts the same way. A reader yields candidates: a usable row (messages plus
+source extras) or the reason string why a row is unusable, so callers count malformed rows
 instead of crashing on them or dropping them silently.
 """
 
@@ -8,13 +10,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from serving.assets import humaneval_jsonl_gz, sharegpt_json
 
+log = logging.getLogger(__name__)
+
 Messages = list[dict[str, str]]
+Candidate = dict[str, Any] | str
 ROLES = {"system", "user", "assistant"}
 
 
@@ -22,88 +28,135 @@ def humaneval_message(code: str) -> str:
     return f"Complete the following Python function. Reply with the code only.\n\n```python\n{code}```"
 
 
-def read_humaneval(path: Path | None = None) -> Iterator[tuple[dict[str, Any] | None, str | None]]:
+def read_humaneval(path: Path | None = None) -> Iterator[Candidate]:
     with gzip.open(path or humaneval_jsonl_gz(), "rt") as handle:
         for line in handle:
             task = json.loads(line)
             yield {"messages": [{"role": "user", "content": humaneval_message(task["prompt"])}],
                    "task_id": task["task_id"], "test": task["test"], "entry_point": task["entry_point"],
-                   "code_prompt": task["prompt"]}, None
+                   "code_prompt": task["prompt"]}
 
 
-def read_sharegpt(path: Path | None = None, from_end: bool = False) -> Iterator[tuple[dict[str, Any] | None, str | None]]:
-    """The first human turn of each conversation, in file order (or reversed, for held-out prompts)."""
-    conversations = json.loads(Path(path or sharegpt_json()).read_text())
-    for conversation in reversed(conversations) if from_end else conversations:
-        turns = conversation.get("conversations") if isinstance(conversation, dict) else None
-        if not isinstance(turns, list) or not turns:
-            yield None, "no conversations"
-            continue
-        first = turns[0]
-        text = first.get("value") if isinstance(first, dict) else None
-        if not isinstance(first, dict) or first.get("from") != "human":
-            yield None, "first turn not human"
-        elif not isinstance(text, str) or not text.strip():
-            yield None, "empty text"
-        else:
-            yield {"messages": [{"role": "user", "content": text}], "sharegpt_id": conversation.get("id")}, None
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """The elements of a top-level JSON array, one at a time, reading the file in chunks.
+
+    Raises json.JSONDecodeError at the first element that cannot be parsed, after yielding all
+    elements before it: the ShareGPT file shipped on PyPI is cut off mid-conversation, so loading it
+    whole fails while streaming still yields every complete conversation.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as handle:
+        buffer = handle.read(chunk_chars).lstrip()
+        if not buffer.startswith("["):
+            raise json.JSONDecodeError("expected a JSON array", buffer, 0)
+        pos = 1
+        while True:
+            while pos < len(buffer) and buffer[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buffer) and buffer[pos] == "]":
+                return
+            try:
+                value, end = decoder.raw_decode(buffer, pos)
+                if end == len(buffer):  # a value touching the end may go on (a number); a valid array has more
+                    raise json.JSONDecodeError("value may continue", buffer, end)
+            except json.JSONDecodeError:
+                # Usually the element just continues in the next chunk; only at the end of the file is it an error.
+                more = handle.read(chunk_chars)
+                if not more:
+                    raise
+                buffer, pos = buffer[pos:] + more, 0
+                continue
+            yield value
+            pos = end
 
 
-def parse_user_row(data: Any) -> tuple[dict[str, Any] | None, str | None]:
+def sharegpt_candidate(conversation: Any) -> Candidate:
+    """The first human turn of a ShareGPT conversation as a single user message."""
+    turns = conversation.get("conversations") if isinstance(conversation, dict) else None
+    if not isinstance(turns, list):
+        return "no conversations"
+    human = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+    if human is None:
+        return "no human turn"
+    text = human.get("value")
+    if not isinstance(text, str):
+        return "non-string text"
+    if not text.strip():
+        return "empty text"
+    row: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+    if isinstance(conversation.get("id"), str):
+        row["sharegpt_id"] = conversation["id"]
+    return row
+
+
+def read_sharegpt(path: Path | None = None) -> Iterator[Candidate]:
+    path = path or sharegpt_json()
+    try:
+        for conversation in iter_json_array(path):
+            yield sharegpt_candidate(conversation)
+    except json.JSONDecodeError as error:
+        log.warning("%s: unreadable from char %d on (%s); using the conversations before it.", path, error.pos, error.msg)
+        yield "invalid JSON (rest of file unreadable)"
+
+
+def user_candidate(data: Any) -> Candidate:
     """A user JSONL object: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "answer"."""
     if not isinstance(data, dict):
-        return None, "not an object"
+        return "not an object"
     if "prompt" in data:
         if not isinstance(data["prompt"], str) or not data["prompt"].strip():
-            return None, "empty or non-string prompt"
+            return "empty or non-string prompt"
         messages: Messages = [{"role": "user", "content": data["prompt"]}]
     elif "messages" in data:
         messages = data["messages"]
         valid = isinstance(messages, list) and messages and all(
             isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)
         if not valid:
-            return None, "malformed messages"
+            return "malformed messages"
         if not any(m["content"].strip() for m in messages):
-            return None, "empty messages"
+            return "empty messages"
+        if messages[-1]["role"] != "user":
+            return "last message not from the user"
     else:
-        return None, "neither prompt nor messages"
+        return "neither prompt nor messages"
     row: dict[str, Any] = {"messages": messages}
     if "answer" in data:
+        if not isinstance(data["answer"], str):
+            return "answer not a string"
         row["answer"] = data["answer"]
-    return row, None
+    return row
 
 
-def read_user_jsonl(path: Path) -> Iterator[tuple[dict[str, Any] | None, str | None]]:
-    with open(path) as handle:
-        for line in handle:
-            if not line.strip():
+def read_user_jsonl(path: Path) -> Iterator[Candidate]:
+    """Rows of a user JSONL file. Blank lines are not rows; undecodable lines are counted, not fatal."""
+    with open(path, "rb") as handle:
+        for raw in handle:
+            if not raw.strip():
                 continue
             try:
-                data = json.loads(line)
-            except json.JSONDecodeError:
-                yield None, "invalid JSON"
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield "invalid UTF-8"
                 continue
-            yield parse_user_row(data)
+            except json.JSONDecodeError:
+                yield "invalid JSON"
+                continue
+            yield user_candidate(data)
 
 
 def bench_prompts(dataset: str, n: int) -> list[Messages]:
     """n prompts for a benchmark. ShareGPT prompts come from the end of the file, which the pipeline's
-    prepare stage (taking conversations from the start) never trains on."""
+    prepare stage (taking conversations from the start) does not reach at its default sizes."""
     if dataset == "humaneval":
-        rows = read_humaneval()
+        rows: Iterator[Candidate] = read_humaneval()
     elif dataset == "sharegpt":
-        rows = read_sharegpt(from_end=True)
+        rows = reversed(list(read_sharegpt()))
     else:
         path = Path(dataset)
         if not path.is_file():
             raise FileNotFoundError(f"Dataset '{dataset}' is neither 'humaneval', 'sharegpt' nor an existing JSONL file.")
         rows = read_user_jsonl(path)
-    prompts = []
-    for row, _error in rows:
-        if row is not None:
-            prompts.append(row["messages"])
-            if len(prompts) == n:
-                break
+    prompts = [row["messages"] for row in rows if isinstance(row, dict)][:n]
     if not prompts:
         raise ValueError(f"No valid prompts in dataset '{dataset}'.")
     return prompts

@@ -14,6 +14,8 @@ from serving.target import Target
 from serving.types import Generation, GenerationStats, SamplingParams
 from serving.verify import VERIFIERS, verify_tree
 
+GREEDY = SamplingParams()
+
 
 class GenerationRequestError(ValueError):
     """The request cannot be served as asked (empty prompt, too long, bad budget)."""
@@ -58,14 +60,14 @@ class SpeculativeGenerator:
                 f"The prompt has {len(prompt_ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
                 f"target's context of {limit} tokens.")
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
                  seed: int | None = None) -> Generation:
         stream = self.stream(prompt_ids, max_new_tokens, sampling, seed)
         for _ in stream:
             pass
         return stream.generation
 
-    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
                seed: int | None = None) -> GenerationStream:
         self.check_request(prompt_ids, max_new_tokens)
         if self.verifier == "greedy" and not sampling.greedy:

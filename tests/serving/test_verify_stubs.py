@@ -58,7 +58,7 @@ def test_sampling_transform_matches_plain_reference():
     keep = sorted(range(5), key=lambda i: -scaled[i])[:4]  # top-k
     probs = torch.softmax(torch.tensor([scaled[i] for i in keep]), 0).tolist()
     kept, mass = [], 0.0
-    for i, prob in zip(keep, probs):  # top-p: keep tokens until the mass before them reaches 0.8
+    for i, prob in zip(keep, probs, strict=True):  # top-p: keep tokens until the mass before them reaches 0.8
         if mass >= 0.8:
             break
         kept.append(i)

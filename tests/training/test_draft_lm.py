@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from pytorch_lightning.loggers import MLFlowLogger
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from serving.target import target_from_model
+from tests.training.conftest import HIDDEN, tiny_llama
+from training.draft_lm import (
+    INFO_FILE,
+    DistillDataset,
+    TrainDraftConfig,
+    build_draft_model,
+    collate,
+    train_draft,
+)
+from training.strategies import STRATEGIES, make_strategy
+
+
+def fit_config(out_dir: Path, **overrides) -> TrainDraftConfig:
+    settings = dict(hidden_size=HIDDEN, num_layers=1, num_heads=4, intermediate_size=64, batch_size=4, max_steps=4,
+                    lr=1e-2, accelerator="cpu", log_every_n_steps=1, out_dir=str(out_dir))
+    return TrainDraftConfig(**{**settings, **overrides})
+
+
+def assert_every_parameter_changed(cfg: TrainDraftConfig, target_model, out_dir: Path) -> dict[str, torch.Tensor]:
+    initial = dict(build_draft_model(target_model, cfg).named_parameters())  # seeded: the weights training started from
+    trained = dict(AutoModelForCausalLM.from_pretrained(out_dir).named_parameters())
+    assert initial.keys() == trained.keys()
+    unchanged = [name for name in initial if torch.equal(initial[name], trained[name])]
+    assert not unchanged, f"parameters that did not train: {unchanged}"
+    return trained
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory, tiny_target, traces_dir):
+    root = tmp_path_factory.mktemp("draft_auto")
+    logger = MLFlowLogger(experiment_name="train_draft", tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    cfg = fit_config(root / "draft")
+    report = train_draft(cfg, tiny_target, traces_dir, logger=logger)
+    return cfg, report, logger
+
+
+def test_draft_shares_the_targets_vocabulary_and_embeddings(tiny_target):
+    target = tiny_target.model
+    draft = build_draft_model(target, fit_config(Path("unused")))
+    assert draft.config.vocab_size == target.config.vocab_size and draft.config.num_hidden_layers == 1
+    assert torch.equal(draft.get_input_embeddings().weight, target.get_input_embeddings().weight)
+    assert torch.equal(draft.get_output_embeddings().weight, target.get_output_embeddings().weight)  # untied target
+    fresh = build_draft_model(target, fit_config(Path("unused"), init_embeddings_from_target=False))
+    assert not torch.equal(fresh.get_input_embeddings().weight, target.get_input_embeddings().weight)
+    with pytest.raises(ValueError, match="hidden_size == the target's"):
+        build_draft_model(target, fit_config(Path("unused"), hidden_size=2 * HIDDEN))
+
+
+def test_batches_distill_the_predictions_of_response_tokens(traces_dir):
+    data = DistillDataset(traces_dir / "train", max_seq_len=10_000)
+    for item in (data[i] for i in range(len(data))):
+        n_prompt = len(item["input_ids"]) - int(item["mask"].sum())  # one distilled row per response token
+        # Row n_prompt - 1 (the last prompt token) predicts the first response token; the last row predicts nothing.
+        assert item["mask"][: n_prompt - 1].sum() == 0 and item["mask"][n_prompt - 1 : -1].all() and not item["mask"][-1]
+    items = [data[0], data[1], data[2]]
+    batch = collate(items)
+    width = max(len(item["input_ids"]) for item in items)
+    assert batch["input_ids"].shape == (3, width) and batch["topk_ids"].shape == (3, width, 8)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (width - n)
+        assert torch.equal(batch["mask"][row, :n], item["mask"]) and not batch["mask"][row, n:].any()
+    cut = DistillDataset(traces_dir / "train", max_seq_len=5)[0]
+    assert torch.equal(cut["input_ids"], data[0]["input_ids"][:5]) and cut["topk_logprobs"].shape == (5, 8)
+
+
+def test_fit_trains_every_parameter_and_saves_a_loadable_folder(auto_run, tiny_target):
+    cfg, report, logger = auto_run
+    assert math.isfinite(report["final_loss"]) and math.isfinite(report["val_loss"]) and report["steps"] == 4
+    out = Path(cfg.out_dir)
+    trained = assert_every_parameter_changed(cfg, tiny_target.model, out)
+    assert all(t.dtype == torch.float32 for t in trained.values())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.get_vocab() == tiny_target.tokenizer.get_vocab() and tokenizer.chat_template
+    info = json.loads((out / INFO_FILE).read_text())
+    assert info["target"] == tiny_target.fingerprint.to_dict() and info["report"] == report
+    run = logger.experiment.get_run(logger.run_id)  # the logger's MlflowClient, on the sqlite store
+    assert run.data.params["loss"] == "forward_kl" and "train/loss" in run.data.metrics
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_on_cpu_trains_like_auto(stage, auto_run, tmp_path, tiny_target, traces_dir):
+    """Same seed, same data order, same AdamW: ZeRO only reshapes the optimizer state, so the losses and
+    weights must match the plain run's up to float32 summation order."""
+    auto_cfg, auto_report, _ = auto_run
+    cfg = fit_config(tmp_path / "draft", strategy=f"deepspeed_stage_{stage}")
+    report = train_draft(cfg, tiny_target, traces_dir)
+    assert report["steps"] == 4
+    assert report["final_loss"] == pytest.approx(auto_report["final_loss"], rel=1e-4)
+    assert report["val_loss"] == pytest.approx(auto_report["val_loss"], rel=1e-4)
+    trained = assert_every_parameter_changed(cfg, tiny_target.model, tmp_path / "draft")
+    reference = dict(AutoModelForCausalLM.from_pretrained(auto_cfg.out_dir).named_parameters())
+    for name, tensor in trained.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
+
+
+def test_traces_of_another_target_are_refused(tmp_path, tiny_target, traces_dir):
+    other = target_from_model(tiny_llama(tiny_target.vocab_size, 3, seed=7), tiny_target.tokenizer)
+    with pytest.raises(ValueError, match="another target: weights differ"):
+        train_draft(fit_config(tmp_path), other, traces_dir)
+
+
+def test_strategies_by_name(tmp_path):
+    assert set(STRATEGIES) == {"auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"}
+    assert make_strategy("auto") == "auto"
+    assert make_strategy("deepspeed_stage_3").config["zero_optimization"]["stage"] == 3
+    with pytest.raises(ValueError, match="Unknown strategy 'deepspeed'"):
+        make_strategy("deepspeed")
+    wrong = tmp_path / "zero.json"
+    wrong.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match="sets ZeRO stage 3"):
+        make_strategy("deepspeed_stage_2", str(wrong))
+    with pytest.raises(ValueError, match="not a deepspeed one"):
+        TrainDraftConfig(deepspeed_config=str(wrong))

@@ -1,0 +1,256 @@
+"""Stage collect: the target regenerates the responses to the prompts and we record what it knew.
+
+Self-distillation: a drafter is judged by how often the target accepts its tokens, so it should learn
+the target's own outputs, not the human or GPT answers of a dataset. For each prompt the target
+generates a response (greedy at temperature 0); then one forward pass over prompt + response gives,
+at every position, the target's top-k next-token log-probabilities and the chosen hidden states.
+The format is described in `training.traces`.
+
+Resumable: the prompts of a split are cut into fixed shards; each finished shard is renamed into
+place and then recorded in the split's manifest, so a killed run loses at most the shard in progress
+and a rerun skips every recorded shard whose checksum still matches. A run whose settings, target or
+prompts differ from the manifest's starts the split over. (Under `dvc repro`, mark the traces output
+`persist: true`, or DVC deletes it before the stage runs.)
+
+Backends are a plain dict. A backend turns prompts into `SequenceTrace`s and is free to batch them;
+the transformers one decodes a sequence at a time so its greedy output is exactly `generate`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from serving.target import Target, encode_prompt, sha256_file
+from training.prompts import SPLITS
+from training.traces import (
+    FORMAT,
+    LOGPROB_DTYPES,
+    VERSION,
+    SequenceTrace,
+    hf_hidden_index,
+    read_manifest,
+    resolve_layers,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+
+log = logging.getLogger(__name__)
+
+Prompt = tuple[str, list[int]]  # (prompt id, prompt token ids)
+
+
+@dataclass
+class CollectConfig:
+    """params.yaml section `collect`."""
+
+    backend: str = "transformers"
+    """Inference engine that regenerates and scores the responses; one of BACKENDS."""
+    max_new_tokens: int = 256
+    """Response length cap; generation also stops at the target's EOS and at its context length."""
+    temperature: float = 0.0
+    """0 regenerates greedily; above 0 samples from softmax(logits / temperature), seeded per prompt."""
+    top_k_logits: int = 64
+    """K: how many of the target's most likely next tokens (with log-probs) to keep per position."""
+    logprobs_dtype: str = "float32"
+    """Storage dtype of topk_logprobs: float32, or float16 to halve its size (~1e-3 relative error)."""
+    hidden_layers: list[int] = field(default_factory=lambda: [-1])
+    """Decoder layers whose outputs to store (fp16); -1 is the last. See training.traces for the convention."""
+    shard_size: int = 64
+    """Sequences per shard: the most work a killed run can lose."""
+    splits: list[str] = field(default_factory=lambda: ["train", "val"])
+    """Which prompt splits to collect."""
+    max_prompts_per_split: int | None = None
+    """Use only the first N prompts of each split file (they are in hash order, a random sample); None = all."""
+    seed: int = 0
+    """Sampling seed when temperature > 0, mixed with each prompt's id so a resumed run samples the same."""
+    out_dir: str = "data/traces"
+    """Traces go to out_dir/{split}/."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"collect.backend '{self.backend}' is unknown. Available: {', '.join(BACKENDS)}.")
+        if self.logprobs_dtype not in LOGPROB_DTYPES:
+            raise ValueError(f"collect.logprobs_dtype must be one of {', '.join(LOGPROB_DTYPES)}, got '{self.logprobs_dtype}'.")
+        unknown = sorted(set(self.splits) - set(SPLITS))
+        if unknown:
+            raise ValueError(f"collect.splits: unknown split(s) {', '.join(unknown)}; choose from {', '.join(SPLITS)}.")
+        if self.temperature < 0 or self.max_new_tokens < 1 or self.top_k_logits < 1 or self.shard_size < 1:
+            raise ValueError("collect: temperature must be >= 0; max_new_tokens, top_k_logits and shard_size >= 1.")
+        if self.max_prompts_per_split is not None and self.max_prompts_per_split < 0:
+            raise ValueError(f"collect.max_prompts_per_split must be >= 0 or null, got {self.max_prompts_per_split}")
+
+
+def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """logits [V] -> next token: the argmax at temperature 0, else a sample of softmax(logits / temperature)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+             eos_ids: set[int], generator: torch.Generator) -> list[int]:
+    """The target's response to a prompt, with a KV cache; it ends with the EOS token if one came."""
+    inputs = torch.tensor([prompt_ids])  # [1, T] prefill, then [1, 1] per step
+    cache = None
+    response: list[int] = []
+    while len(response) < max_new_tokens:
+        out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        token = pick_token(out.logits[0, -1], temperature, generator)
+        response.append(token)
+        if token in eos_ids:
+            break
+        inputs = torch.tensor([[token]])
+    return response
+
+
+@torch.inference_mode()
+def score(model: PreTrainedModel, prompt_id: str, prompt_ids: list[int], response: list[int], k: int,
+          layers: list[int]) -> SequenceTrace:
+    """One forward pass over prompt + response: top-k next-token log-probs and hidden states at every position."""
+    ids = torch.tensor(prompt_ids + response)  # [T]
+    out = model(input_ids=ids[None], output_hidden_states=bool(layers))
+    logprobs = out.logits[0].float().log_softmax(-1)  # [T, V], normalized over the full vocabulary
+    top = logprobs.topk(k, dim=-1)  # values and indices [T, K], best first
+    hidden = None
+    if layers:
+        hidden = torch.stack([out.hidden_states[hf_hidden_index(i)][0] for i in layers], dim=1).to(torch.float16)  # [T, L, H]
+        if not torch.isfinite(hidden).all():
+            raise OverflowError(f"Hidden states of prompt {prompt_id} overflow float16; choose other hidden_layers.")
+    return SequenceTrace(prompt_id=prompt_id, input_ids=ids, n_prompt=len(prompt_ids), topk_ids=top.indices,
+                         topk_logprobs=top.values, hidden_states=hidden)
+
+
+def prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
+    """A sampling stream that depends only on the seed and the prompt, not on run order or resumption."""
+    return torch.Generator().manual_seed(seed ^ int(prompt_id[:15], 16))
+
+
+def transformers_backend(target: Target, prompts: Iterable[Prompt], cfg: CollectConfig) -> Iterator[SequenceTrace]:
+    layers = resolve_layers(cfg.hidden_layers, target.model.config.num_hidden_layers)
+    for prompt_id, prompt_ids in prompts:
+        room = min(cfg.max_new_tokens, target.max_context - len(prompt_ids))
+        response = generate(target.model, prompt_ids, room, cfg.temperature, target.eos_token_ids,
+                            prompt_generator(cfg.seed, prompt_id))
+        yield score(target.model, prompt_id, prompt_ids, response, cfg.top_k_logits, layers)
+
+
+Backend = Callable[[Target, Iterable[Prompt], CollectConfig], Iterator[SequenceTrace]]
+BACKENDS: dict[str, Backend] = {"transformers": transformers_backend}
+
+
+def load_prompts(path: Path, target: Target, limit: int | None) -> tuple[list[Prompt], int]:
+    """Token ids of a split's prompts (the first `limit`), and how many were dropped for leaving no room to generate."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found. Run the prepare stage first.")
+    prompts: list[Prompt] = []
+    too_long = 0
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if limit is not None and len(prompts) + too_long >= limit:
+                break
+            row = json.loads(line)
+            ids = encode_prompt(target.tokenizer, row["messages"])
+            if len(ids) < target.max_context:
+                prompts.append((row["id"], ids))
+            else:
+                too_long += 1
+    return prompts, too_long
+
+
+def make_plan(cfg: CollectConfig, target: Target, prompts: list[Prompt]) -> dict[str, Any]:
+    """Everything that decides the shards' contents; a manifest with another plan cannot be resumed."""
+    ids = "".join(prompt_id for prompt_id, _ in prompts)
+    return {
+        "format": FORMAT, "version": VERSION, "backend": cfg.backend, "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature, "seed": cfg.seed, "top_k": cfg.top_k_logits, "logprobs_dtype": cfg.logprobs_dtype,
+        "hidden_layers": resolve_layers(cfg.hidden_layers, target.model.config.num_hidden_layers),
+        "shard_size": cfg.shard_size, "n_prompts": len(prompts),
+        "prompts_sha256": hashlib.sha256(ids.encode()).hexdigest(), "target": target.fingerprint.to_dict(),
+    }
+
+
+def shard_metadata(plan: dict[str, Any]) -> dict[str, str]:
+    """The safetensors header: a shard explains itself without its manifest."""
+    return {key: json.dumps(value) if not isinstance(value, str) else value
+            for key, value in plan.items() if key not in ("shard_size", "n_prompts", "prompts_sha256")}
+
+
+def resume_state(split_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
+    """The manifest to continue from: the old one when its plan matches, else a fresh one (old shards removed)."""
+    manifest = read_manifest(split_dir)
+    if manifest is not None and manifest["plan"] != plan:
+        log.warning("collect: %s was made with other settings, target or prompts; starting it over.", split_dir)
+        manifest = None
+    if manifest is None:
+        for stale in split_dir.glob("shard-*.safetensors*"):
+            stale.unlink()
+        n_shards = -(-plan["n_prompts"] // plan["shard_size"])
+        manifest = {"plan": plan, "n_shards": n_shards, "shards": [], "complete": False}
+    return manifest
+
+
+def finished_shards(split_dir: Path, manifest: dict[str, Any]) -> set[int]:
+    """Indices of recorded shards whose file is still there, unchanged."""
+    intact = [entry for entry in manifest["shards"]
+              if (split_dir / entry["file"]).is_file() and sha256_file(split_dir / entry["file"]) == entry["sha256"]]
+    manifest["shards"] = intact
+    return {entry["index"] for entry in intact}
+
+
+def collect_split(cfg: CollectConfig, target: Target, prompts_file: Path, split_dir: Path) -> dict[str, Any]:
+    prompts, too_long = load_prompts(prompts_file, target, cfg.max_prompts_per_split)
+    split_dir.mkdir(parents=True, exist_ok=True)
+    plan = make_plan(cfg, target, prompts)
+    manifest = resume_state(split_dir, plan)
+    done = finished_shards(split_dir, manifest)
+    metadata = shard_metadata(plan)
+    resumed = sum(len(prompts[i * cfg.shard_size:(i + 1) * cfg.shard_size]) for i in done)
+    generated, start = 0, time.perf_counter()
+    bar = tqdm(total=len(prompts), initial=resumed, unit="seq", desc=f"collect {split_dir.name}", dynamic_ncols=True)
+    for index in range(manifest["n_shards"]):
+        if index in done:
+            continue
+        traces = []
+        for trace in BACKENDS[cfg.backend](target, prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size], cfg):
+            traces.append(trace)
+            generated += len(trace.input_ids) - trace.n_prompt
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+        entry = write_shard(split_dir / shard_name(index), traces, metadata, cfg.logprobs_dtype)
+        manifest["shards"] = sorted([*manifest["shards"], {"index": index, **entry}], key=lambda e: e["index"])
+        write_manifest(split_dir, manifest)
+    bar.close()
+    manifest["complete"] = True
+    write_manifest(split_dir, manifest)
+    seconds = time.perf_counter() - start
+    return {
+        "sequences": sum(e["sequences"] for e in manifest["shards"]),
+        "tokens": sum(e["tokens"] for e in manifest["shards"]),
+        "response_tokens": sum(e["response_tokens"] for e in manifest["shards"]),
+        "prompts_too_long": too_long, "shards": manifest["n_shards"], "shards_resumed": len(done),
+        "seconds": round(seconds, 3), "generated_tokens_per_s": round(generated / seconds, 2) if seconds > 0 else 0.0,
+    }
+
+
+def collect(cfg: CollectConfig, target: Target, prompts_dir: Path | str) -> dict[str, dict[str, Any]]:
+    """Collect every configured split from prompts_dir/{split}.jsonl into cfg.out_dir/{split}/; returns per-split counts."""
+    if cfg.top_k_logits > target.vocab_size:
+        raise ValueError(f"collect.top_k_logits={cfg.top_k_logits} exceeds the target's vocabulary ({target.vocab_size}).")
+    report = {split: collect_split(cfg, target, Path(prompts_dir) / f"{split}.jsonl", Path(cfg.out_dir) / split)
+              for split in cfg.splits}
+    log.info("collect: %s", report)
+    return report

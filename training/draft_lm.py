@@ -1,0 +1,284 @@
+"""Stage train_draft: distill a small Llama draft model from the target's traces.
+
+The draft shares the target's vocabulary and, optionally, starts from its embeddings: with hidden_size
+equal to the target's, they are most of a small draft's parameters (28M of 36M for a 2-layer SmolLM2
+draft) and come already trained. It learns the target's next-token distributions on the regenerated
+responses, through one of the losses of `training.losses`, at the positions whose next token the
+target generated.
+
+Precision: under DeepSpeed with bf16/fp16, Lightning casts every float tensor of a batch, the
+teacher's log-probs included, to that dtype; prefer 32-true or bf16-mixed with `auto`/DDP when the
+teacher's tail mass matters.
+
+The result is a plain Hugging Face folder (config.json, model.safetensors, tokenizer) that any code
+loads with `AutoModelForCausalLM.from_pretrained(out_dir)`, plus specops_training.json recording the
+target fingerprint, the config and the report. Strategies come from `training.strategies` (DeepSpeed
+also runs on the CPU there, which is how CI tests it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import Logger
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from serving.target import Target, TargetFingerprint
+from training.losses import LOSSES
+from training.strategies import STRATEGIES, full_state_dict, make_strategy
+from training.traces import MANIFEST, TraceShards, next_token_mask
+
+log = logging.getLogger(__name__)
+
+INFO_FILE = "specops_training.json"
+DISTILL_FIELDS = ("input_ids", "loss_mask", "topk_ids", "topk_logprobs")
+
+
+@dataclass
+class TrainDraftConfig:
+    """params.yaml section `train_draft`."""
+
+    hidden_size: int = 576
+    """Draft width. Equal to the target's (576 for SmolLM2) to start from its embeddings."""
+    num_layers: int = 2
+    """Draft decoder layers: its cost per token grows with them, its acceptance too."""
+    num_heads: int = 9
+    """Attention heads; hidden_size must be divisible by it."""
+    intermediate_size: int = 1536
+    """MLP width."""
+    init_embeddings_from_target: bool = True
+    """Copy the target's input (and untied output) embeddings; needs hidden_size == the target's."""
+    loss: str = "forward_kl"
+    """Distillation loss, one of training.losses.LOSSES: forward_kl, reverse_kl, jsd, tvd."""
+    lr: float = 3e-4
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    batch_size: int = 8
+    """Sequences per batch and device."""
+    epochs: int = 1
+    """Passes over the train traces (max_steps stops earlier when set)."""
+    max_steps: int = -1
+    """Optimizer steps cap; -1 means epochs decide."""
+    max_seq_len: int = 1024
+    """Longer sequences are cut at this many tokens (the start is kept, as the draft sees it at inference)."""
+    gradient_clip_val: float = 1.0
+    """Gradient norm clipping (DeepSpeed gets it through its config); 0 disables it."""
+    strategy: str = "auto"
+    """Lightning strategy: auto, ddp, fsdp, deepspeed_stage_2 or deepspeed_stage_3 (see training.strategies)."""
+    deepspeed_config: str | None = None
+    """DeepSpeed JSON replacing training/deepspeed/zero{2,3}.json; only with a deepspeed strategy."""
+    precision: str = "32-true"
+    """Lightning precision, e.g. 32-true, bf16-mixed, 16-mixed."""
+    accelerator: str = "auto"
+    """Lightning accelerator: auto, cpu, gpu."""
+    devices: int = 1
+    """Devices (processes) per node."""
+    num_nodes: int = 1
+    """Machines."""
+    log_every_n_steps: int = 10
+    """How often the training loss is logged."""
+    seed: int = 0
+    """Seeds the draft's initialization and the data order."""
+    out_dir: str = "models/draft_lm"
+    """Where the Hugging Face folder is written."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"train_draft.loss '{self.loss}' is unknown. Choose one of: {', '.join(LOSSES)}.")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"train_draft.strategy '{self.strategy}' is unknown. Choose one of: {', '.join(STRATEGIES)}.")
+        if self.deepspeed_config and not self.strategy.startswith("deepspeed"):
+            raise ValueError("train_draft.deepspeed_config is set but the strategy is not a deepspeed one.")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"train_draft.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}.")
+        if min(self.batch_size, self.max_seq_len, self.epochs, self.num_layers) < 1:
+            raise ValueError("train_draft: batch_size, max_seq_len, epochs and num_layers must be >= 1.")
+
+
+def build_draft_model(target_model: PreTrainedModel, cfg: TrainDraftConfig) -> LlamaForCausalLM:
+    """A small Llama over the target's vocabulary, positions and special tokens, seeded by cfg.seed."""
+    tc = target_model.config
+    vocab = target_model.get_output_embeddings().weight.shape[0]
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=getattr(tc, "rope_parameters", None), tie_word_embeddings=tc.tie_word_embeddings,
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
+    )
+    torch.manual_seed(cfg.seed)
+    draft = LlamaForCausalLM(config)
+    draft.generation_config.eos_token_id = target_model.generation_config.eos_token_id
+    draft.generation_config.pad_token_id = target_model.generation_config.pad_token_id
+    if cfg.init_embeddings_from_target:
+        if cfg.hidden_size != tc.hidden_size:
+            raise ValueError(f"init_embeddings_from_target needs hidden_size == the target's ({tc.hidden_size}), "
+                             f"got {cfg.hidden_size}. Change one of them.")
+        with torch.no_grad():
+            draft.get_input_embeddings().weight.copy_(target_model.get_input_embeddings().weight)
+            if not tc.tie_word_embeddings:
+                draft.get_output_embeddings().weight.copy_(target_model.get_output_embeddings().weight)
+    return draft
+
+
+class DistillDataset(Dataset):
+    """Sequences of one trace split: token ids, the teacher's top-k, and the mask of positions to distill."""
+
+    def __init__(self, split_dir: Path, max_seq_len: int) -> None:
+        self.shards = TraceShards(split_dir, fields=DISTILL_FIELDS)
+        self.max_seq_len = max_seq_len
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = self.shards[index]
+        # Shift before cutting: the last kept row still predicts a real (cut-off) response token.
+        item["mask"] = next_token_mask(item.pop("loss_mask"))
+        return {name: tensor[: self.max_seq_len] for name, tensor in item.items()}
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence; padding has attention_mask 0 and mask False."""
+    lengths = [len(item["input_ids"]) for item in items]
+    batch_size, width = len(items), max(lengths)
+    k = items[0]["topk_ids"].shape[-1]
+    batch = {
+        "input_ids": torch.zeros(batch_size, width, dtype=torch.long),  # [B, T]
+        "attention_mask": torch.zeros(batch_size, width, dtype=torch.long),  # [B, T]
+        "mask": torch.zeros(batch_size, width, dtype=torch.bool),  # [B, T]
+        "topk_ids": torch.zeros(batch_size, width, k, dtype=torch.long),  # [B, T, K]
+        "topk_logprobs": torch.zeros(batch_size, width, k, dtype=torch.float32),  # [B, T, K]
+    }
+    for row, (item, length) in enumerate(zip(items, lengths, strict=True)):
+        batch["attention_mask"][row, :length] = 1
+        for name in ("input_ids", "mask", "topk_ids", "topk_logprobs"):
+            batch[name][row, :length] = item[name]
+    return batch
+
+
+class TraceDataModule(pl.LightningDataModule):
+    """Train (shuffled by seed, sharded across ranks) and optional validation batches from traces_dir/{train,val}."""
+
+    def __init__(self, traces_dir: Path, batch_size: int, max_seq_len: int, seed: int) -> None:
+        super().__init__()
+        self.traces_dir, self.batch_size, self.max_seq_len, self.seed = traces_dir, batch_size, max_seq_len, seed
+        self.has_val = (traces_dir / "val" / MANIFEST).is_file()
+
+    def setup(self, stage: str) -> None:
+        self.train = DistillDataset(self.traces_dir / "train", self.max_seq_len)
+        self.val = DistillDataset(self.traces_dir / "val", self.max_seq_len) if self.has_val else None
+
+    def train_dataloader(self) -> DataLoader:
+        # The same explicit sampler under every strategy, so the data order depends on the seed alone:
+        # Lightning keeps a DistributedSampler it is given, and sets its epoch for reshuffling.
+        sampler = DistributedSampler(self.train, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
+                                     shuffle=True, seed=self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val is None:
+            return []
+        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=collate)
+
+
+class DraftDistillation(pl.LightningModule):
+    """Distills the target's stored top-k distributions into the draft with a loss from LOSSES."""
+
+    def __init__(self, draft: LlamaForCausalLM, loss: str, lr: float, weight_decay: float) -> None:
+        super().__init__()
+        self.draft = draft
+        self.loss_fn = LOSSES[loss]
+        self.lr, self.weight_decay = lr, weight_decay
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        return self.loss_fn(logits, batch["topk_ids"], batch["topk_logprobs"], batch["mask"])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["input_ids"]))
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), prog_bar=True, batch_size=len(batch["input_ids"]), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.draft.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+def check_traces(traces_dir: Path, target: Target) -> None:
+    """Refuse empty traces, and traces made by another target: the draft would learn the wrong distributions."""
+    train = TraceShards(traces_dir / "train", fields=())
+    if not len(train):
+        raise ValueError(f"{traces_dir / 'train'} holds no sequences: nothing to train on.")
+    reason = target.fingerprint.mismatch(TargetFingerprint(**train.target))
+    if reason:
+        raise ValueError(f"The traces in {traces_dir} come from another target: {reason}. Rerun the collect stage.")
+
+
+def save_draft(state: dict[str, torch.Tensor], draft: LlamaForCausalLM, target: Target, out_dir: Path,
+               info: dict[str, Any]) -> None:
+    """Write a float32 Hugging Face folder with the target's tokenizer and the training record.
+
+    The weights go through a fresh model so that nothing of the strategy's wrapping (ZeRO partitions,
+    mixed-precision casts) reaches the file.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(draft.config)
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config)
+    model.load_state_dict({name: tensor.float() for name, tensor in state.items()})
+    model.generation_config = draft.generation_config
+    model.save_pretrained(out_dir)
+    target.tokenizer.save_pretrained(out_dir)
+    (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def train_draft(cfg: TrainDraftConfig, target: Target, traces_dir: Path | str, logger: Logger | None = None) -> dict[str, Any]:
+    """Distill a draft from traces_dir/{train,val}, save it to cfg.out_dir; returns the training report.
+
+    `logger` is any Lightning logger, typically an MLFlowLogger on the pipeline's tracking URI.
+    """
+    traces_dir = Path(traces_dir)
+    check_traces(traces_dir, target)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    draft = build_draft_model(target.model, cfg)
+    parameters = sum(p.numel() for p in draft.parameters())  # before ZeRO-3 can partition them
+    module = DraftDistillation(draft, cfg.loss, cfg.lr, cfg.weight_decay)
+    data = TraceDataModule(traces_dir, cfg.batch_size, cfg.max_seq_len, cfg.seed)
+    if logger is not None:
+        logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
+    trainer = pl.Trainer(
+        strategy=make_strategy(cfg.strategy, cfg.deepspeed_config), accelerator=cfg.accelerator, devices=cfg.devices,
+        num_nodes=cfg.num_nodes, precision=cfg.precision, max_epochs=cfg.epochs, max_steps=cfg.max_steps,
+        gradient_clip_val=cfg.gradient_clip_val or None, log_every_n_steps=cfg.log_every_n_steps,
+        logger=logger if logger is not None else False, enable_checkpointing=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if data.has_val else 0,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    seconds = time.perf_counter() - start
+    final_loss = float(trainer.callback_metrics["train/loss"])
+    # Validate the final weights once more: max_steps can stop training before an epoch's validation.
+    val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"] if data.has_val else None
+    report = {
+        "final_loss": final_loss, "val_loss": val_loss, "steps": trainer.global_step, "seconds": round(seconds, 3), "loss": cfg.loss,
+        "parameters": parameters,
+    }
+    state = full_state_dict(draft, trainer.strategy)
+    if trainer.is_global_zero:
+        info = {"target": target.fingerprint.to_dict(), "config": asdict(cfg), "report": report}
+        save_draft(state, draft, target, Path(cfg.out_dir), info)
+    log.info("train_draft: %s", report)
+    return report
