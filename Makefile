@@ -7,8 +7,6 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export MLFLOW_TRACKING_URI ?= sqlite:///mlflow/mlflow.db
-# Keep DVC's site cache inside the project rather than the system temp dir.
-export DVC_SITE_CACHE_DIR := $(CURDIR)/.cache/dvc-site
 
 .PHONY: setup repro test test-fast lint bench mlflow-ui clean
 
@@ -24,7 +22,6 @@ $(STAMP): pyproject.toml
 	touch $@
 
 repro: setup  ## the main job: the whole pipeline, prompts to a published champion bundle
-	$(BIN)/python -m pipelines.bootstrap
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
 test: setup  ## the whole test suite (CPU, tiny models)

@@ -56,9 +56,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.n < 1 or args.max_new_tokens < 1:
         raise UserError("--n and --max-new-tokens must be >= 1")
     cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
-                      recycling_nodes=args.recycling_nodes, draft_tokens=args.draft_tokens,
-                      draft_model=args.draft_model)
-    if args.draft_model and "draft-lm" not in cfg.drafters:
+                      draft_tokens=args.draft_tokens, draft_model=args.draft_model)
+    if args.draft_model and not any(d.startswith("draft-lm") for d in cfg.drafters):
         cfg.drafters.append("draft-lm")
     prompts = bench_prompts(args.dataset, args.n)
     target = load_target(args.target, args.dtype)
@@ -71,6 +70,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"{name:<{width}}  {row['tokens_per_s']:6.1f}  {row['speedup_vs_ar']:6.3f}x  {mal:>13}  "
               f"{row['identical_to_ar']}")
     print(f"wrote {args.out}")
+
+
+def cmd_stage(args: argparse.Namespace) -> None:
+    from pipelines.stages import run_stage
+
+    run_stage(args.name, args.params)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,14 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--n", type=int, default=20, help="number of prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--drafters", nargs="+", default=["none", "prompt-lookup", "recycling"],
-                       choices=["none", "prompt-lookup", "recycling", "draft-lm"])
-    bench.add_argument("--recycling-nodes", type=int, nargs="+", default=[12],
-                       help="one Token Recycling method per tree size (a sweep)")
+                       help="our methods: none, prompt-lookup, recycling, draft-lm, each optionally with @SIZE "
+                            "(recycling tree nodes or chain draft tokens), e.g. recycling@8 recycling@16 draft-lm@4")
     bench.add_argument("--draft-tokens", type=int, default=6)
     bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
     bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
     _add_target_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from pipelines.stages import STAGES  # light: stage bodies import their libraries lazily
+
+    stage = sub.add_parser("stage", help="run one pipeline stage (dvc repro runs them all)",
+                           description="Run one DVC stage with its params.yaml section. Stages: " + ", ".join(STAGES))
+    stage.add_argument("name", choices=list(STAGES))
+    stage.add_argument("--params", default="params.yaml", help="the params file")
+    stage.set_defaults(func=cmd_stage)
     return parser
 
 

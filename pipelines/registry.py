@@ -64,6 +64,8 @@ class RegistryError(RuntimeError):
 
 @dataclass
 class RegistryConfig:
+    """params.yaml section `mlflow`, shared by every stage that talks to the tracking server."""
+
     tracking_uri: str = "sqlite:///mlflow/mlflow.db"
     """MLflow tracking and registry URI. The default is the embedded store, relative to the project
     root; `mlflow ui --backend-store-uri` with the same URI shows everything."""
@@ -72,7 +74,11 @@ class RegistryConfig:
 
 
 @dataclass
-class RegisterConfig(RegistryConfig):
+class RegisterConfig:
+    """params.yaml section `register`."""
+
+    bundle_dir: str = "models/bundle"
+    """Where the stage assembles the bundle before logging it."""
     experiment: str = "specops"
     """Experiment that holds the register runs."""
     artifact_root: str = "mlflow/artifacts"
@@ -81,7 +87,9 @@ class RegisterConfig(RegistryConfig):
 
 
 @dataclass
-class PromoteConfig(RegistryConfig):
+class PromoteConfig:
+    """params.yaml section `promote`."""
+
     gate: GateConfig = field(default_factory=GateConfig)
     """The rules the challenger must pass to become champion."""
     decision_file: str = "metrics/promotion.json"
@@ -89,7 +97,9 @@ class PromoteConfig(RegistryConfig):
 
 
 @dataclass
-class PublishConfig(RegistryConfig):
+class PublishConfig:
+    """params.yaml section `publish`."""
+
     alias: str = CHAMPION
     """Alias of the version to publish."""
     out_dir: str = "bundles/champion"
@@ -325,6 +335,20 @@ def _swap_in(new: Path, out_dir: Path, parking: Path) -> None:
         raise
 
 
+def alias_version(model_name: str, alias: str) -> str | None:
+    """The version an alias points at, or None when the model or the alias does not exist yet."""
+    try:
+        return _aliases(MlflowClient(), model_name).get(alias)
+    except RegistryError:
+        return None
+
+
+def download_bundle(model_name: str, version: str, dst: Path) -> Path:
+    """Download a version's bundle folder into dst (verification is the caller's, with its target)."""
+    uri = f"models:/{model_name}/{version}/{bundle_artifact_path(model_name, version)}"
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+
+
 def publish(model_name: str, *, alias: str, out_dir: Path | str) -> dict[str, Any]:
     """Download the `alias` version's bundle, verify it, and put it at out_dir (kept if it fails)."""
     client = MlflowClient()
@@ -338,8 +362,7 @@ def publish(model_name: str, *, alias: str, out_dir: Path | str) -> dict[str, An
     # Staging beside out_dir keeps the final renames on one filesystem.
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        uri = f"models:/{model_name}/{version}/{bundle_artifact_path(model_name, version)}"
-        downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging / "new")))
+        downloaded = download_bundle(model_name, version, staging / "new")
         try:
             bundle = load_bundle(downloaded)
         except BundleError as error:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from serving.factory import DecodingConfig, build_drafter
+from serving.factory import DRAFTER_KINDS, DecodingConfig, build_drafter
 from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt
 from serving.types import GenerationStats
@@ -34,11 +34,28 @@ class BenchConfig:
     n: int = 20  # number of prompts
     max_new_tokens: int = 128
     max_prompt_tokens: int = 1024  # longer prompts are skipped (ShareGPT has some very long ones)
+    # Our methods: a drafter kind, optionally "@size" (Token Recycling tree nodes, or chain draft tokens);
+    # several sizes of one kind make a sweep in the same run.
     drafters: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling"])
-    recycling_nodes: list[int] = field(default_factory=lambda: [12])  # one method per tree size: a sweep
-    draft_tokens: int = 6
-    draft_model: str | None = None  # HF folder of a draft LM: adds draft-lm and hf_assisted
+    draft_tokens: int = 6  # chain draft length when a method gives no @size
+    draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
+    hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens
+
+
+def parse_method(spec: str, default_tokens: int) -> tuple[str, DecodingConfig]:
+    """'recycling@16' -> ('recycling', config with 16 tree nodes); 'draft-lm@4' -> 4 tokens per step."""
+    kind, _, size = spec.partition("@")
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"Unknown method '{spec}': the drafter must be one of {', '.join(DRAFTER_KINDS)}.")
+    if size and not size.isdigit():
+        raise ValueError(f"Method '{spec}': the size after @ must be a positive integer.")
+    config = DecodingConfig(drafter=kind, verifier="greedy", draft_tokens=default_tokens)
+    if size and kind == "recycling":
+        config.recycling_nodes = int(size)
+    elif size:
+        config.draft_tokens = int(size)
+    return kind, config
 
 
 def _hf_method(target: Target, max_new_tokens: int, **kwargs: Any) -> Method:
@@ -57,7 +74,9 @@ def _our_method(generator: SpeculativeGenerator, max_new_tokens: int) -> Method:
     return run
 
 
-def build_methods(target: Target, cfg: BenchConfig) -> dict[str, Method]:
+def build_methods(target: Target, cfg: BenchConfig,
+                  extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Method]:
+    """HF baselines, then our methods; `extra` adds ready-made generators (e.g. the current champion)."""
     from serving.factory import load_draft_model
 
     m = cfg.max_new_tokens
@@ -65,15 +84,14 @@ def build_methods(target: Target, cfg: BenchConfig) -> dict[str, Method]:
         BASELINE: _hf_method(target, m),
         "hf_prompt_lookup": _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens),
     }
-    if cfg.draft_model:
+    if cfg.draft_model and cfg.hf_assisted:
         methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model))
-    for kind in cfg.drafters:
-        sizes = cfg.recycling_nodes if kind == "recycling" else [None]
-        for size in sizes:
-            config = DecodingConfig(drafter=kind, draft_tokens=cfg.draft_tokens, recycling_nodes=size or 0)
-            name = f"recycling@{size}" if kind == "recycling" and len(sizes) > 1 else kind
-            drafter = build_drafter(kind, target, config, cfg.draft_model)
-            methods[name] = _our_method(SpeculativeGenerator(target, drafter, "greedy", cfg.draft_tokens), m)
+    for spec in cfg.drafters:
+        kind, config = parse_method(spec, cfg.draft_tokens)
+        drafter = build_drafter(kind, target, config, cfg.draft_model)
+        methods[spec] = _our_method(SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens), m)
+    for name, generator in (extra or {}).items():
+        methods[name] = _our_method(generator, m)
     return methods
 
 
@@ -105,12 +123,13 @@ def acceptance_per_position(stats: GenerationStats) -> list[float]:
     return [round(a / d, 4) for a, d in zip(accepted, stats.drafted_per_position, strict=True)]
 
 
-def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig) -> dict[str, Any]:
+def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig,
+                  extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
     encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
     encoded = [ids for ids in encoded if len(ids) <= cfg.max_prompt_tokens]
     if not encoded:
         raise ValueError(f"Every prompt is longer than max_prompt_tokens={cfg.max_prompt_tokens}.")
-    methods = build_methods(target, cfg)
+    methods = build_methods(target, cfg, extra)
     with torch.inference_mode():
         for run in methods.values():
             run(encoded[0][:32])  # warm-up: allocator, kernels, lazy imports

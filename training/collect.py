@@ -13,7 +13,8 @@ prompts differ from the manifest's starts the split over. (Under `dvc repro`, ma
 `persist: true`, or DVC deletes it before the stage runs.)
 
 Backends are a plain dict. A backend turns prompts into `SequenceTrace`s and is free to batch them;
-the transformers one decodes a sequence at a time so its greedy output is exactly `generate`'s.
+the transformers one runs our speculative loop a sequence at a time, whose greedy output is exactly
+`generate`'s (tests/serving checks that).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from serving.drafters.recycling import RecyclingDrafter
+from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt, sha256_file
+from serving.types import SamplingParams
 from training.prompts import SPLITS
 from training.traces import (
     FORMAT,
@@ -92,31 +96,6 @@ class CollectConfig:
             raise ValueError(f"collect.max_prompts_per_split must be >= 0 or null, got {self.max_prompts_per_split}")
 
 
-def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """logits [V] -> next token: the argmax at temperature 0, else a sample of softmax(logits / temperature)."""
-    if temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator))
-
-
-@torch.inference_mode()
-def generate(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, temperature: float,
-             eos_ids: set[int], generator: torch.Generator) -> list[int]:
-    """The target's response to a prompt, with a KV cache; it ends with the EOS token if one came."""
-    inputs = torch.tensor([prompt_ids])  # [1, T] prefill, then [1, 1] per step
-    cache = None
-    response: list[int] = []
-    while len(response) < max_new_tokens:
-        out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        token = pick_token(out.logits[0, -1], temperature, generator)
-        response.append(token)
-        if token in eos_ids:
-            break
-        inputs = torch.tensor([[token]])
-    return response
-
-
 @torch.inference_mode()
 def score(model: PreTrainedModel, prompt_id: str, prompt_ids: list[int], response: list[int], k: int,
           layers: list[int]) -> SequenceTrace:
@@ -134,17 +113,21 @@ def score(model: PreTrainedModel, prompt_id: str, prompt_ids: list[int], respons
                          topk_logprobs=top.values, hidden_states=hidden)
 
 
-def prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
-    """A sampling stream that depends only on the seed and the prompt, not on run order or resumption."""
-    return torch.Generator().manual_seed(seed ^ int(prompt_id[:15], 16))
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """A sampling seed that depends only on the run seed and the prompt, not on run order or resumption."""
+    return seed ^ int(prompt_id[:15], 16)
 
 
 def transformers_backend(target: Target, prompts: Iterable[Prompt], cfg: CollectConfig) -> Iterator[SequenceTrace]:
+    """Regenerate with our own lossless speculative loop: Token Recycling drafts, the target verifies,
+    so the responses are exactly the target's (greedy, or sampled with a per-prompt seed) and faster."""
     layers = resolve_layers(cfg.hidden_layers, target.model.config.num_hidden_layers)
+    sampling = SamplingParams(temperature=cfg.temperature)
+    verifier = "greedy" if sampling.greedy else "rejection"
+    generator = SpeculativeGenerator(target, RecyclingDrafter(target.vocab_size), verifier, draft_tokens=6)
     for prompt_id, prompt_ids in prompts:
         room = min(cfg.max_new_tokens, target.max_context - len(prompt_ids))
-        response = generate(target.model, prompt_ids, room, cfg.temperature, target.eos_token_ids,
-                            prompt_generator(cfg.seed, prompt_id))
+        response = generator.generate(prompt_ids, room, sampling, seed=prompt_seed(cfg.seed, prompt_id)).token_ids
         yield score(target.model, prompt_id, prompt_ids, response, cfg.top_k_logits, layers)
 
 

@@ -57,6 +57,14 @@ class TrainDraftConfig:
     """MLP width."""
     init_embeddings_from_target: bool = True
     """Copy the target's input (and untied output) embeddings; needs hidden_size == the target's."""
+    init_layers_from_target: bool = False
+    """Start from a truncated target: its first num_layers decoder layers, final norm and embeddings
+    (LayerSkip/DEL-style early exit), then distill. The layer shapes then come from the target, so
+    hidden_size, num_heads and intermediate_size are ignored. A far better start than random weights
+    when training time is minutes on a CPU."""
+    train_embeddings: bool = True
+    """Also train the input embeddings and the LM head. Off keeps the target's (copied) ones frozen:
+    on a CPU the 49k-row head dominates the backward pass, and the copied head is already right."""
     loss: str = "forward_kl"
     """Distillation loss, one of training.losses.LOSSES: forward_kl, reverse_kl, jsd, tvd."""
     lr: float = 3e-4
@@ -108,6 +116,8 @@ class TrainDraftConfig:
 def build_draft_model(target_model: PreTrainedModel, cfg: TrainDraftConfig) -> LlamaForCausalLM:
     """A small Llama over the target's vocabulary, positions and special tokens, seeded by cfg.seed."""
     tc = target_model.config
+    if cfg.init_layers_from_target:
+        return truncated_target(target_model, cfg.num_layers)
     vocab = target_model.get_output_embeddings().weight.shape[0]
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -129,6 +139,22 @@ def build_draft_model(target_model: PreTrainedModel, cfg: TrainDraftConfig) -> L
             if not tc.tie_word_embeddings:
                 draft.get_output_embeddings().weight.copy_(target_model.get_output_embeddings().weight)
     return draft
+
+
+def truncated_target(target_model: PreTrainedModel, num_layers: int) -> LlamaForCausalLM:
+    """The target's first `num_layers` decoder layers with its embeddings, final norm and LM head."""
+    if not 1 <= num_layers <= target_model.config.num_hidden_layers:
+        raise ValueError(f"train_draft.num_layers must be in 1..{target_model.config.num_hidden_layers} "
+                         f"to truncate the target, got {num_layers}.")
+    config = LlamaConfig.from_dict({**target_model.config.to_dict(), "num_hidden_layers": num_layers})
+    draft = LlamaForCausalLM(config)
+    state = target_model.state_dict()
+    missing, _ = draft.load_state_dict({k: v for k, v in state.items() if k in draft.state_dict()}, strict=False)
+    if missing:
+        raise ValueError(f"Cannot truncate the target: no weights for {missing[:3]}.")
+    draft.generation_config.eos_token_id = target_model.generation_config.eos_token_id
+    draft.generation_config.pad_token_id = target_model.generation_config.pad_token_id
+    return draft.to(torch.float32)
 
 
 class DistillDataset(Dataset):
@@ -214,7 +240,8 @@ class DraftDistillation(pl.LightningModule):
         self.log("val/loss", self._loss(batch), prog_bar=True, batch_size=len(batch["input_ids"]), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.draft.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        trainable = [p for p in self.draft.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay)
 
 
 def check_traces(traces_dir: Path, target: Target) -> None:
@@ -254,6 +281,9 @@ def train_draft(cfg: TrainDraftConfig, target: Target, traces_dir: Path | str, l
     check_traces(traces_dir, target)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     draft = build_draft_model(target.model, cfg)
+    if not cfg.train_embeddings:
+        draft.get_input_embeddings().weight.requires_grad_(False)
+        draft.get_output_embeddings().weight.requires_grad_(False)
     parameters = sum(p.numel() for p in draft.parameters())  # before ZeRO-3 can partition them
     module = DraftDistillation(draft, cfg.loss, cfg.lr, cfg.weight_decay)
     data = TraceDataModule(traces_dir, cfg.batch_size, cfg.max_seq_len, cfg.seed)

@@ -68,9 +68,9 @@ def test_gate_config_rejects_out_of_range_tolerance():
 
 
 def test_promote_config_reads_a_nested_gate_section():
-    cfg = build(PromoteConfig, {"model_name": "m", "gate": {"speedup_tolerance": 0.1, "require_lossless": False}},
+    cfg = build(PromoteConfig, {"gate": {"speedup_tolerance": 0.1, "require_lossless": False}},
                 "promote")
     assert cfg.gate == GateConfig(speedup_tolerance=0.1, require_lossless=False)
-    assert cfg.tracking_uri == "sqlite:///mlflow/mlflow.db"
+    assert cfg.decision_file == "metrics/promotion.json"
     with pytest.raises(ParamsError, match="Unknown key.*speedup_tolerence"):
         build(PromoteConfig, {"gate": {"speedup_tolerence": 0.1}}, "promote")

@@ -8,7 +8,7 @@ PROMPTS = [[{"role": "user", "content": "w1 w2 w3 w1 w2 w3"}], [{"role": "user",
 
 
 def test_benchmark_reports_every_method(target):
-    cfg = BenchConfig(n=2, max_new_tokens=16, recycling_nodes=[4, 8])
+    cfg = BenchConfig(n=2, max_new_tokens=16, drafters=["none", "prompt-lookup", "recycling@4", "recycling@8"])
     report = run_benchmark(target, PROMPTS, cfg)
     methods = report["methods"]
     assert set(methods) == {BASELINE, "hf_prompt_lookup", "none", "prompt-lookup", "recycling@4", "recycling@8"}

@@ -124,3 +124,30 @@ def test_strategies_by_name(tmp_path):
         make_strategy("deepspeed_stage_2", str(wrong))
     with pytest.raises(ValueError, match="not a deepspeed one"):
         TrainDraftConfig(deepspeed_config=str(wrong))
+
+
+def test_truncated_target_keeps_the_targets_weights(target):
+    """All layers kept: the draft computes exactly the target; fewer: the target's first layers."""
+    from training.draft_lm import truncated_target
+
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    full = truncated_target(target.model, target.model.config.num_hidden_layers)
+    torch.testing.assert_close(full(ids).logits, target.model(ids).logits)
+    short = truncated_target(target.model, 1)
+    assert short.config.num_hidden_layers == 1
+    torch.testing.assert_close(short.model.layers[0].mlp.up_proj.weight, target.model.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="num_layers"):
+        truncated_target(target.model, 99)
+
+
+def test_truncated_draft_with_frozen_embeddings_trains_only_its_layers(tmp_path, tiny_target, traces_dir):
+    cfg = fit_config(tmp_path / "draft", init_layers_from_target=True, train_embeddings=False)
+    report = train_draft(cfg, tiny_target, traces_dir)
+    assert math.isfinite(report["final_loss"])
+    trained = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "draft").named_parameters())
+    start = dict(build_draft_model(tiny_target.model, cfg).named_parameters())
+    frozen = {"model.embed_tokens.weight", "lm_head.weight"}
+    for name, tensor in trained.items():
+        moved = not torch.equal(start[name], tensor)
+        assert moved == (name not in frozen), name
+    torch.testing.assert_close(trained["lm_head.weight"], tiny_target.model.lm_head.weight)

