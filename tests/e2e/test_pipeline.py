@@ -1,0 +1,107 @@
+"""The whole `dvc repro` on a tiny random target: registry aliases, a loadable champion, a no-op rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import tiny_llama, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TINY_PARAMS = {
+    "prepare": {"sharegpt_max": 0, "humaneval": False, "user_files": ["prompts.jsonl"], "val_fraction": 0.15,
+                "test_fraction": 0.15, "max_prompt_tokens": 64},
+    "collect": {"max_new_tokens": 8, "top_k_logits": 8, "hidden_layers": [], "shard_size": 4,
+                "max_prompts_per_split": 12},
+    "train_draft": {"init_layers_from_target": True, "num_layers": 1, "batch_size": 4, "epochs": 1,
+                    "max_seq_len": 64, "accelerator": "cpu"},
+    "evaluate": {"n_prompts": 3, "max_new_tokens": 8, "methods": ["prompt-lookup", "draft-lm@2", "draft-lm@3"]},
+}
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A fresh project: our dvc.yaml and params.yaml with tiny sizes, a tiny target, temp MLflow and DVC remote."""
+    root = tmp_path_factory.mktemp("project")
+    for folder in ("serving", "training", "pipelines"):  # dvc.yaml's code deps
+        shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
+    tiny_llama(seed=0, max_positions=128).save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    with open(root / "prompts.jsonl", "w") as handle:
+        for i in range(40):
+            words = " ".join(f"w{(i * 7 + j * 3) % 80}" for j in range(4 + i % 5))
+            handle.write(json.dumps({"prompt": words}) + "\n")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for name, overrides in TINY_PARAMS.items():
+        params[name].update(overrides)
+    params["target"]["source"] = "target"
+    params["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    params["register"]["artifact_root"] = str(root / "mlartifacts")
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "init", "-q"], root)
+    run(["dvc", "init", "-q"], root)
+    run(["dvc", "remote", "add", "-d", "local", str(root / "remote")], root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def first_repro(project):
+    return run(["dvc", "repro"], project)
+
+
+def test_repro_registers_promotes_and_publishes(project, first_repro):
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    model = MlflowClient().get_registered_model("specops-drafter")
+    assert set(model.aliases) == {"challenger", "champion"}
+    decision = json.loads((project / "metrics" / "promotion.json").read_text())
+    assert decision["passed"], decision
+    evaluation = json.loads((project / "metrics" / "eval.json").read_text())
+    assert evaluation["default"]["method"].startswith("draft-lm")
+    assert all(row["identical_to_ar"] for row in evaluation["methods"].values())
+    assert (project / "metrics" / "plots" / "speedup.png").stat().st_size > 0
+    assert (project / "bundles" / "champion" / "manifest.json").is_file()
+
+    from serving.target import load_target
+
+    champion = mlflow.pyfunc.load_model("models:/specops-drafter@champion")
+    assert champion is not None and load_target(str(project / "target")) is not None
+    cwd = os.getcwd()
+    os.chdir(project)  # the bundle names its target by the project-relative path "target"
+    try:
+        out = champion.predict(["w1 w2 w3"])
+    finally:
+        os.chdir(cwd)
+    assert isinstance(out, list) and out and isinstance(out[0]["text"], str)
+    assert out[0]["stats"]["new_tokens"] >= 1
+
+
+def test_second_repro_does_nothing_and_push_pull_work(project, first_repro):
+    again = run(["dvc", "repro"], project)
+    assert "Running stage" not in again.stdout, again.stdout
+    run(["dvc", "push"], project)
+    assert any((project / "remote").rglob("*")), "dvc push wrote nothing to the local remote"
+    shutil.rmtree(project / "models" / "draft_lm")
+    run(["dvc", "pull"], project)
+    assert (project / "models" / "draft_lm" / "model.safetensors").is_file()
