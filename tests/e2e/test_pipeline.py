@@ -53,7 +53,7 @@ def project(tmp_path_factory) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for name, overrides in TINY_PARAMS.items():
         params[name].update(overrides)
-    params["target"]["source"] = "target"
+    params["target"]["source"] = str(root / "target")
     params["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
     params["register"]["artifact_root"] = str(root / "mlartifacts")
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -83,16 +83,8 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
     assert (project / "metrics" / "plots" / "speedup.png").stat().st_size > 0
     assert (project / "bundles" / "champion" / "manifest.json").is_file()
 
-    from serving.target import load_target
-
     champion = mlflow.pyfunc.load_model("models:/specops-drafter@champion")
-    assert champion is not None and load_target(str(project / "target")) is not None
-    cwd = os.getcwd()
-    os.chdir(project)  # the bundle names its target by the project-relative path "target"
-    try:
-        out = champion.predict(["w1 w2 w3"])
-    finally:
-        os.chdir(cwd)
+    out = champion.predict(["w1 w2 w3"])
     assert isinstance(out, list) and out and isinstance(out[0]["text"], str)
     assert out[0]["stats"]["new_tokens"] >= 1
 
@@ -105,3 +97,17 @@ def test_second_repro_does_nothing_and_push_pull_work(project, first_repro):
     shutil.rmtree(project / "models" / "draft_lm")
     run(["dvc", "pull"], project)
     assert (project / "models" / "draft_lm" / "model.safetensors").is_file()
+
+
+def test_retrain_is_gated_against_the_champion_in_the_same_eval(project, first_repro):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train_draft"]["seed"] = 1
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = run(["dvc", "repro"], project)
+    assert "Running stage 'train_draft'" in result.stdout and "Running stage 'prepare'" not in result.stdout
+    evaluation = json.loads((project / "metrics" / "eval.json").read_text())
+    assert evaluation["champion"]["method"] == "champion"  # the old champion ran in the same benchmark
+    decision = json.loads((project / "metrics" / "promotion.json").read_text())
+    assert decision["challenger_version"] == "2" and decision["previous_champion_version"] == "1"
+    assert decision["champion"] == evaluation["champion"]
+    assert decision["champion_version"] == ("2" if decision["passed"] else "1")
