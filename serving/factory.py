@@ -8,15 +8,29 @@ from typing import Any
 
 from transformers import AutoModelForCausalLM
 
+from serving.acceptance_head import HEAD_COMPONENT, AcceptanceHead
+from serving.cost_model import measure_cost_model
+from serving.drafters.aligned import ALIGNED_KINDS, load_aligned_drafter
 from serving.drafters.base import Drafter
 from serving.drafters.draft_lm import DraftLMDrafter
 from serving.drafters.prompt_lookup import PromptLookupDrafter
 from serving.drafters.recycling import RecyclingDrafter
+from serving.policies import (
+    POLICIES,
+    DraftLengthPolicy,
+    FixedPolicy,
+    GoodputPolicy,
+    HeuristicPolicy,
+    SpecDecPPPolicy,
+)
 from serving.speculative import SpeculativeGenerator
 from serving.target import DTYPES, Target, encode_prompt, load_target
 from serving.types import SamplingParams
 
-DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "draft-lm")
+DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm") + ALIGNED_KINDS
+# Chain drafters whose length a draft length policy other than "fixed" may set (goodput's cost model
+# times the draft LM; prompt lookup costs next to nothing).
+POLICY_DRAFTERS = ("prompt-lookup", "draft-lm")
 
 
 @dataclass
@@ -28,6 +42,15 @@ class DecodingConfig:
     draft_tokens: int = 6  # chain drafters: tokens per step; tree drafters: maximum accepted depth
     prompt_lookup_max_ngram: int = 3
     recycling_nodes: int = 12  # size of the Token Recycling tree (tuned for a 2-core CPU by sweep)
+    # Draft length policy, one of POLICIES (serving/policies.py): fixed drafts draft_tokens every step;
+    # heuristic starts there; specdecpp and goodput never draft more than draft_tokens.
+    policy: str = "fixed"
+    # specdecpp: end a draft once P(some drafted token is rejected) exceeds this. Higher drafts longer.
+    stop_threshold: float = 0.5
+    # aligned_head_tree: nodes of its dynamic draft tree (EAGLE-2), and the top-k tokens taken from each
+    # expanded node (also how many nodes a level expands). Size the tree by the verify cost curve.
+    aligned_tree_nodes: int = 12
+    aligned_tree_top_k: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -39,20 +62,50 @@ def load_draft_model(path: str | Path, dtype: str = "float32"):
 
 
 def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model_path: str | Path | None = None,
-                  ) -> Drafter | None:
+                  acceptance_head_path: str | Path | None = None) -> Drafter | None:
+    if acceptance_head_path is not None and kind != "draft-lm":
+        raise ValueError(f"An acceptance head reads a draft LM's hidden states; the '{kind}' drafter has none.")
     if kind == "none":
         return None
     if kind == "prompt-lookup":
         return PromptLookupDrafter(max_ngram=config.prompt_lookup_max_ngram)
-    if kind == "recycling":
-        return RecyclingDrafter(target.vocab_size, num_nodes=config.recycling_nodes)
+    if kind in ("recycling", "hybrid"):  # hybrid: Token Recycling tree + the prompt-lookup branch merged in
+        lookup = PromptLookupDrafter(max_ngram=config.prompt_lookup_max_ngram) if kind == "hybrid" else None
+        return RecyclingDrafter(target.vocab_size, num_nodes=config.recycling_nodes, lookup=lookup)
     if kind == "draft-lm":
         if draft_model_path is None:
             raise ValueError("The draft-lm drafter needs a draft model folder (--draft-model PATH).")
         # The draft runs in the target's dtype: bf16 halves its cost too.
         dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
-        return DraftLMDrafter(load_draft_model(draft_model_path, dtype), target.vocab_size)
+        head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
+        return DraftLMDrafter(load_draft_model(draft_model_path, dtype), target.vocab_size, head)
+    if kind in ALIGNED_KINDS:
+        if draft_model_path is None:
+            raise ValueError(f"The {kind} drafter needs an aligned head folder (--aligned-head PATH).")
+        nodes = config.aligned_tree_nodes if kind == "aligned_head_tree" else 0
+        return load_aligned_drafter(draft_model_path, target.model, nodes, config.aligned_tree_top_k)
     raise ValueError(f"Unknown drafter '{kind}'. Choose one of: {', '.join(DRAFTER_KINDS)}.")
+
+
+def build_policy(config: DecodingConfig, target: Target, drafter: Drafter | None) -> DraftLengthPolicy:
+    """The config's draft length policy; goodput measures its cost model here, once, on this machine."""
+    name, k = config.policy, config.draft_tokens
+    if name not in POLICIES:
+        raise ValueError(f"Unknown policy '{name}'. Choose one of: {', '.join(POLICIES)}.")
+    if name == "fixed":
+        return FixedPolicy(k)
+    if drafter is None or config.drafter not in POLICY_DRAFTERS:
+        raise ValueError(f"The '{name}' policy sets the draft length of {' or '.join(POLICY_DRAFTERS)}, "
+                         f"not of the '{config.drafter}' drafter.")
+    if name == "heuristic":
+        return HeuristicPolicy(k)
+    if name == "specdecpp":
+        if not getattr(drafter, "predicts_acceptance", False):
+            raise ValueError("The specdecpp policy needs the draft-lm drafter with an acceptance head "
+                             f"(--acceptance-head PATH, or a bundle with an {HEAD_COMPONENT}/ folder).")
+        return SpecDecPPPolicy(k, config.stop_threshold)
+    draft_model = drafter.model if isinstance(drafter, DraftLMDrafter) else None  # prompt lookup costs ~nothing
+    return GoodputPolicy(k, measure_cost_model(target.model, draft_model))
 
 
 def resolve_verifier(verifier: str, sampling: SamplingParams) -> str:
@@ -68,10 +121,11 @@ class TextGenerator:
         self.target = target
         self.drafter = drafter
         self.config = config
+        self.policy = build_policy(config, target, drafter)  # built once: goodput times the models here
 
     def generator(self, sampling: SamplingParams) -> SpeculativeGenerator:
         return SpeculativeGenerator(self.target, self.drafter, resolve_verifier(self.config.verifier, sampling),
-                                    self.config.draft_tokens)
+                                    self.config.draft_tokens, policy=self.policy)
 
     def generate_text(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 64, temperature: float = 0.0,
                       top_p: float = 1.0, seed: int | None = None, raw: bool = False) -> dict[str, Any]:
@@ -94,5 +148,6 @@ def generator_from_bundle(bundle_path: str | Path, target: Target | None = None)
     known = {f for f in DecodingConfig.__dataclass_fields__ if f != "extra"}
     config = DecodingConfig(**{k: v for k, v in bundle.serving.items() if k in known},
                             extra={k: v for k, v in bundle.serving.items() if k not in known})
-    drafter = build_drafter(bundle.drafter_kind, target, config, bundle.drafter_dir)
+    head = bundle.extra_dirs.get(HEAD_COMPONENT) if bundle.drafter_kind == "draft-lm" else None
+    drafter = build_drafter(bundle.drafter_kind, target, config, bundle.drafter_dir, head)
     return TextGenerator(target, drafter, config)

@@ -37,11 +37,27 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 
 class CachedLM:
-    """Runs `model` on one growing sequence with a DynamicCache."""
+    """Runs `model` on one growing sequence with a DynamicCache.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    With `hidden_layers` (decoder layer indices, training.traces convention: entry i is the output of
+    layer i, HF `hidden_states[i + 1]`), every prefill and forward also leaves `features` [n, L, H],
+    those layers at the tokens just fed, for drafters that read the target's features (aligned heads).
+    Without it nothing extra is computed.
+    """
+
+    def __init__(self, model: PreTrainedModel, hidden_layers: list[int] | None = None) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        self.hidden_layers = hidden_layers
+        self.features: torch.Tensor | None = None
+
+    def _run(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """One model call appending `ids` [1, n] to the cache; its logits, and `features` when asked."""
+        wanted = self.hidden_layers is not None
+        out = self.model(ids, past_key_values=self.cache, use_cache=True, output_hidden_states=wanted, **kwargs)
+        if wanted:
+            self.features = torch.stack([out.hidden_states[i + 1][0] for i in self.hidden_layers], dim=1)
+        return out.logits
 
     @property
     def length(self) -> int:
@@ -50,21 +66,23 @@ class CachedLM:
     def prefill(self, token_ids: list[int]) -> None:
         """Append tokens whose logits are not needed (logits_to_keep=1 skips the LM head over the prompt)."""
         if token_ids:
-            self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self._run(torch.tensor([token_ids]), logits_to_keep=1)
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         """Append a chain of tokens; logits [n, V] for each of them."""
-        out = self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True)
-        return out.logits[0]
+        return self._run(torch.tensor([token_ids]))[0]
+
+    def forward_hidden(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `forward`, plus the last layer's hidden states [n, H] (after the final norm: the LM head's input)."""
+        out = self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        return out.logits[0], out.hidden_states[-1][0]
 
     def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """Append the root plus tree nodes in one pass; logits [n+1, V] (row 0: root)."""
         past = self.length
         positions = torch.tensor([[past] + [past + d for d in tree_depths(parents)]])
         mask = tree_attention_mask(parents, past, self.model.dtype)
-        out = self.model(torch.tensor([[root] + tokens]), attention_mask=mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True)
-        return out.logits[0]
+        return self._run(torch.tensor([[root] + tokens]), attention_mask=mask, position_ids=positions)[0]
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached tokens (transformers 5 crops by a negative count)."""

@@ -9,6 +9,7 @@ import torch
 
 from serving.drafters.base import EMPTY, Draft, Drafter
 from serving.kv import CachedLM
+from serving.policies import DraftLengthPolicy, FixedPolicy
 from serving.sampling import logits_to_probs
 from serving.target import Target
 from serving.types import Generation, GenerationStats, SamplingParams
@@ -38,15 +39,22 @@ class GenerationStream:
 
 class SpeculativeGenerator:
     def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
-                 draft_tokens: int = 5) -> None:
+                 draft_tokens: int = 5, policy: DraftLengthPolicy | None = None) -> None:
+        """`policy` decides the draft length of each step (serving/policies.py); without one, every
+        step drafts `draft_tokens`."""
         if verifier not in VERIFIERS:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
             raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+        policy = policy if policy is not None else FixedPolicy(draft_tokens)
+        if policy.stop is not None and not getattr(drafter, "predicts_acceptance", False):
+            raise ValueError(f"The '{policy.name}' policy stops drafts on an acceptance head's predictions: it needs "
+                             "the draft-lm drafter with an acceptance head.")
         self.target = target
         self.drafter = drafter
         self.verifier = verifier
         self.draft_tokens = draft_tokens
+        self.policy = policy
         self.eos = target.eos_token_ids
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -82,20 +90,25 @@ class SpeculativeGenerator:
         stats = out.stats
         start = time.perf_counter()
         with torch.inference_mode():
-            lm = CachedLM(self.target.model)
+            # Feature-reading drafters (FeatureDrafter) name the target layers to capture; others add no cost.
+            lm = CachedLM(self.target.model, getattr(self.drafter, "hidden_layers", None))
             lm.prefill(context[:-1])
             if self.drafter is not None:
                 self.drafter.reset()
+                if lm.features is not None:
+                    self.drafter.observe_features(lm.features)  # type: ignore[attr-defined]
+            self.policy.reset()
             stats.prefill_s = time.perf_counter() - start
             while stats.new_tokens < max_new_tokens:
-                k = min(self.draft_tokens, max_new_tokens - stats.new_tokens - 1)
+                k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
                 tick = time.perf_counter()
-                draft = self.drafter.propose(context, k, sampling, generator) if self.drafter and k > 0 else EMPTY
+                draft = self._propose(context, k, sampling, generator)
                 tock = time.perf_counter()
                 accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)
                 stats.draft_s += tock - tick
                 stats.verify_s += time.perf_counter() - tock
                 stats.record_step(len(draft.tokens), len(accepted), draft.depth)
+                self.policy.update(len(draft.tokens), len(accepted))
                 new = accepted + [next_token]
                 stop = next((i for i, t in enumerate(new) if t in self.eos), None)
                 if stop is not None:
@@ -110,6 +123,14 @@ class SpeculativeGenerator:
                 if stop is not None:
                     break
 
+    def _propose(self, context: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
+        if self.drafter is None or k <= 0:
+            return EMPTY
+        if self.policy.stop is None:
+            return self.drafter.propose(context, k, sampling, generator)
+        # Only drafters with an acceptance head take a stop rule (checked in __init__).
+        return self.drafter.propose(context, k, sampling, generator, stop=self.policy.stop)  # type: ignore[call-arg]
+
     def _verify(self, lm: CachedLM, last: int, draft: Draft, sampling: SamplingParams,
                 generator: torch.Generator) -> tuple[list[int], int]:
         """One target pass over [last] + draft; returns the accepted draft tokens and the next token.
@@ -121,7 +142,8 @@ class SpeculativeGenerator:
             logits = lm.forward_tree(last, draft.tokens, draft.parents)  # [n+1, V]
             p = logits if sampling.greedy else logits_to_probs(logits, sampling)
             path, next_token = verify_tree(torch.tensor(draft.tokens), draft.parents, p, sampling.greedy, generator)
-            lm.keep(past, [0] + [node + 1 for node in path])
+            kept = [0] + [node + 1 for node in path]  # rows of the root and the accepted path
+            lm.keep(past, kept)
             accepted = [draft.tokens[node] for node in path]
             seen = [last] + draft.tokens
         else:
@@ -133,6 +155,9 @@ class SpeculativeGenerator:
             n, next_token = VERIFIERS[self.verifier](torch.tensor(draft.tokens, dtype=torch.long), draft.q, p, generator)
             lm.crop(past + 1 + n)
             accepted = draft.tokens[:n]
+            kept = list(range(n + 1))
         if self.drafter is not None:
             self.drafter.observe(seen, logits)
+            if lm.features is not None:  # the target's features at the tokens now committed
+                self.drafter.observe_features(lm.features[kept])  # type: ignore[attr-defined]
         return accepted, next_token

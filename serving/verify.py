@@ -126,3 +126,44 @@ def verify_tree(tokens: torch.Tensor, parents: list[int], p: torch.Tensor, greed
             return path, y
         path.append(child)
         current = child
+
+
+def verify_tree_rsd(tokens: torch.Tensor, parents: list[int], q: torch.Tensor, p: torch.Tensor,
+                    generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Walk a tree whose siblings were *sampled* from q without replacement: recursive rejection
+    sampling (RSD, Jeon et al., arXiv 2402.14160; multi-candidate SD, Yang et al., arXiv 2401.06706).
+
+    tokens [n] and parents as in verify_tree, siblings in the order they were drawn; q and p [n+1, V]
+    hold the draft and target distributions at the root (row 0) and after node i (row i+1). At a
+    node with children c_1..c_m, starting from p_1 = p, q_1 = q:
+        accept c_i with probability min(1, p_i(c_i) / q_i(c_i)) and descend into it; else
+        p_{i+1} = norm(max(p_i - q_i, 0)) and q_{i+1} = q_i with c_i removed, renormalized;
+        when every child is rejected, emit y ~ p_{m+1}.
+    The emitted token is distributed exactly as p, at every node. Returns (accepted path, next token).
+    """
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path: list[int] = []
+    current = -1
+    while True:
+        p_row, q_row = p[current + 1], q[current + 1].to(p.dtype).clone()
+        accepted = None
+        for child in children.get(current, []):
+            x = int(tokens[child])
+            if not q_row[x] > 0:
+                raise ValueError(f"Node {child} (token {x}) has no mass under its draft distribution: siblings must "
+                                 "be distinct draws from q, without replacement.")
+            if torch.rand(1, generator=generator, dtype=p.dtype) < p_row[x] / q_row[x]:
+                accepted = child
+                break
+            residual = (p_row - q_row).clamp_min(0)
+            total = residual.sum()
+            # total = 0 means p_i = q_i, where acceptance is certain: this branch has probability zero.
+            p_row = residual / total if total > 0 else p_row
+            q_row[x] = 0
+            q_row = q_row / q_row.sum().clamp_min(torch.finfo(p.dtype).tiny)
+        if accepted is None:
+            return path, sample(p_row, generator)
+        path.append(accepted)
+        current = accepted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -9,6 +10,10 @@ import torch
 
 from serving.kv import tree_depths
 from serving.types import SamplingParams
+
+# A per-token stop rule (SpecDec++): called after each drafted token with the acceptance head's
+# P(accept) of every token drafted so far in this step; True ends the draft after that token.
+TokenStop = Callable[[list[float]], bool]
 
 
 @dataclass
@@ -50,3 +55,16 @@ class Drafter(Protocol):
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         """See the target's logits [n, V] at the tokens [n] of a verify pass (Token Recycling learns here)."""
+
+
+class FeatureDrafter(Drafter, Protocol):
+    """A drafter that reads the target's hidden states (the EAGLE family: aligned heads).
+
+    The loop captures `hidden_layers` of the target (training.traces convention) and reports them
+    for every committed token but the last: after the prefill, then the verified path of each step.
+    """
+
+    hidden_layers: list[int]
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [n, L, H] of the next n committed tokens, in order."""

@@ -16,6 +16,7 @@ import heapq
 import torch
 
 from serving.drafters.base import Draft
+from serving.drafters.prompt_lookup import PromptLookupDrafter
 from serving.kv import tree_depths
 from serving.types import SamplingParams
 
@@ -44,10 +45,31 @@ def build_tree_template(num_nodes: int, branching: int = len(RANK_PRIOR)) -> tup
     return parents, ranks
 
 
+def merge_chain(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """Insert a chain of tokens (hanging off the root) into a tree as into a trie: shared prefixes
+    reuse existing nodes, the rest is appended, so the node order stays topological."""
+    tokens, parents = list(tokens), list(parents)
+    children = {(parent, token): node for node, (token, parent) in reversed(list(enumerate(zip(tokens, parents, strict=True))))}
+    node = -1
+    for token in chain:
+        child = children.get((node, token))
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            child = children[(node, token)] = len(tokens) - 1
+        node = child
+    return tokens, parents
+
+
 class RecyclingDrafter:
+    """Token Recycling; with `lookup`, the prompt-lookup continuation (if any) is merged into the tree
+    as one more branch: code and chat repeat their context, which the adjacency matrix alone misses."""
+
     name = "recycling"
 
-    def __init__(self, vocab_size: int, num_nodes: int = 16, top_k: int = len(RANK_PRIOR)) -> None:
+    def __init__(self, vocab_size: int, num_nodes: int = 16, top_k: int = len(RANK_PRIOR),
+                 lookup: PromptLookupDrafter | None = None) -> None:
+        self.lookup = lookup
         self.top_k = top_k
         self.parents, ranks = build_tree_template(num_nodes, top_k)
         self.ranks = torch.tensor(ranks)
@@ -78,4 +100,8 @@ class RecyclingDrafter:
         # k bounds the depth (how many tokens may be accepted); nodes are breadth-first, so the nodes
         # up to that depth are a prefix of the template and still a valid tree.
         n = sum(1 for d in self.depths if d < k)
-        return Draft(tokens=tokens[:n].tolist(), parents=self.parents[:n])
+        tree, parents = tokens[:n].tolist(), self.parents[:n]
+        if self.lookup is not None:
+            chain = self.lookup.propose(context, k, sampling, generator).tokens
+            tree, parents = merge_chain(tree, parents, chain)
+        return Draft(tokens=tree, parents=parents)

@@ -7,7 +7,7 @@ import torch
 
 from serving.drafters.draft_lm import DraftLMDrafter
 from serving.drafters.prompt_lookup import PromptLookupDrafter
-from serving.drafters.recycling import RecyclingDrafter
+from serving.drafters.recycling import RecyclingDrafter, merge_chain
 from serving.speculative import SpeculativeGenerator
 from serving.verify import VERIFIERS
 
@@ -25,6 +25,7 @@ def make_drafters(target, draft_model):
         "none": None,
         "prompt-lookup": PromptLookupDrafter(max_ngram=3),
         "recycling": RecyclingDrafter(vocab, num_nodes=12),
+        "hybrid": RecyclingDrafter(vocab, num_nodes=6, lookup=PromptLookupDrafter(max_ngram=2)),
         "draft-lm": DraftLMDrafter(draft_model, vocab),
         "self-draft": DraftLMDrafter(target.model, vocab),  # every draft accepted: exercises the bonus path
     }
@@ -47,6 +48,13 @@ def test_self_draft_accepts_everything(target):
     if result.finish_reason == "length":
         assert stats.accepted == stats.drafted > 0
         assert stats.mean_accepted_length > 4.0
+
+
+def test_merge_chain_is_a_trie_insert():
+    tokens, parents = [5, 6, 7], [-1, -1, 0]  # root -> 5 -> 7, root -> 6
+    assert merge_chain(tokens, parents, [5, 7, 9, 1]) == ([5, 6, 7, 9, 1], [-1, -1, 0, 2, 3])
+    assert merge_chain(tokens, parents, [6]) == (tokens, parents)
+    assert merge_chain([], [], [3, 4]) == ([3, 4], [-1, 0])
 
 
 def test_recycling_learns_and_accepts(target):

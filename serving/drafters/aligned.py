@@ -1,0 +1,193 @@
+"""The aligned-head drafter: drafts from the target's hidden states with an `AlignedHead`.
+
+The loop gives it, through `observe_features`, the target's features at every committed token but
+the last (the prefill, then each verified path), and it keeps the head's KV cache over exactly those
+positions. `propose` first feeds the new positions (true features, and the committed token after
+each), then drafts:
+  * chain: k tokens, each step reading the previous step's feature output (EAGLE);
+  * dynamic tree (EAGLE-2, arXiv 2406.16858): from the last position take the top-K tokens; at each
+    depth run the head once on the K best nodes of the newest level (by cumulative draft
+    log-probability) and give each its top-K children; finally keep the `tree_nodes` best nodes
+    of the whole tree. The candidates are deterministic, so `verify_tree` is lossless at any
+    temperature.
+Drafted positions are removed from the head's cache afterwards; only verified positions stay.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from serving.aligned_head import AlignedHead, HeadCache, load_head
+from serving.drafters.base import EMPTY, Draft
+from serving.sampling import logits_to_probs, sample
+from serving.types import SamplingParams
+
+ALIGNED_KINDS = ("aligned_head", "aligned_head_tree")  # drafter kinds: chain, dynamic tree
+
+
+@dataclass
+class _Node:
+    token: int  # target id
+    parent: int  # node index, -1 for a child of the last committed token
+    depth: int  # 1 for children of the last committed token
+    score: float  # cumulative draft log-probability
+
+
+class AlignedHeadDrafter:
+    def __init__(self, head: AlignedHead, target_model: PreTrainedModel, tree_nodes: int = 0,
+                 tree_top_k: int = 4) -> None:
+        """tree_nodes = 0 drafts chains; > 0 drafts a dynamic tree of at most that many nodes."""
+        cfg = head.config
+        tc = target_model.config
+        embed = target_model.get_input_embeddings().weight
+        if embed.shape != (cfg.target_vocab_size, cfg.hidden_size) or tc.num_hidden_layers != cfg.num_target_layers:
+            raise ValueError(f"This aligned head was trained for a target with {cfg.num_target_layers} layers, "
+                             f"vocabulary {cfg.target_vocab_size} and width {cfg.hidden_size}; this target has "
+                             f"{tc.num_hidden_layers}, {embed.shape[0]} and {embed.shape[1]}.")
+        if tree_nodes < 0 or tree_top_k < 1:
+            raise ValueError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {tree_nodes}, {tree_top_k}.")
+        self.head = head.eval()
+        self.hidden_layers = list(cfg.hidden_layers)  # the loop captures these target layers for us
+        self.embed = embed
+        self.target_lm_head = None if head.lm_head is not None else target_model.get_output_embeddings().weight
+        self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
+        self.name = "aligned_head_tree" if tree_nodes else "aligned_head"
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = HeadCache()
+        self.pending: list[torch.Tensor] = []  # target features [n, L, H] not yet fed to the head
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # head outputs at the last verified position
+        self.last_position = -1  # that position
+
+    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
+        pass
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [n, L, H] of the next n committed positions, in order."""
+        self.pending.append(features)
+
+    def _embed(self, tokens: list[int]) -> torch.Tensor:
+        return self.embed[torch.tensor(tokens)][None].to(self.head.fc.weight.dtype)  # [1, T, H]
+
+    def _catch_up(self, context: list[int]) -> None:
+        """Feed the pending true positions: position t reads f_t and the token x_{t+1}."""
+        start = self.cache.length
+        features = torch.cat(self.pending) if self.pending else None
+        n = 0 if features is None else features.shape[0]
+        if start + n != len(context) - 1:
+            raise RuntimeError(f"The aligned head has features for {start + n} positions but the context has "
+                               f"{len(context)} tokens: the loop must report the target's features of every "
+                               "committed token but the last (observe_features).")
+        self.pending = []
+        if features is None:
+            return
+        positions = torch.arange(start, start + n)
+        visible = torch.arange(start + n)[None, :] <= positions[:, None]  # causal over the cache
+        token, feature = self.head.step(self.head.fuse(features)[None], self._embed(context[start + 1:]),
+                                         positions, visible, self.cache)
+        self.last = token[:, -1:], feature[:, -1:]
+
+    def _run(self, inputs: torch.Tensor, tokens: list[int], depth: int, visible: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step for drafted tokens at drafting `depth`: inputs [1, n, H] are their parents'
+        feature outputs, `visible` [n, S] their attention over the cache after appending."""
+        positions = torch.full((len(tokens),), self.last_position + depth)  # every node of a depth shares it
+        return self.head.step(inputs, self._embed(tokens), positions, visible, self.cache)
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        self._catch_up(context)
+        if k <= 0 or self.last is None:
+            return EMPTY
+        verified = self.cache.length
+        self.last_position = verified - 1
+        try:
+            if self.tree_nodes:
+                return self._tree(k)
+            return self._chain(k, sampling, generator)
+        finally:
+            self.cache.crop(verified)  # drop drafted positions: only verified ones stay
+
+    def _logits(self, token_branch: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(token_branch, self.target_lm_head)
+
+    def _chain(self, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        token_branch, feature = self.last
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for depth in range(1, k + 1):
+            logits = self._logits(token_branch[0, -1])  # [N]
+            if sampling.greedy:
+                token = int(self.head.to_target_ids(logits.argmax()))
+            else:
+                probs = logits_to_probs(self.head.to_target_logits(logits).float(), sampling)  # [V]
+                rows.append(probs)
+                token = sample(probs, generator)
+            tokens.append(token)
+            if depth < k:
+                visible = torch.ones(1, self.cache.length + 1, dtype=torch.bool)
+                token_branch, feature = self._run(feature, [token], depth, visible)
+        # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
+        return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
+
+    def _children(self, token_branch: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Top-K next tokens (target ids) and their draft log-probabilities for one position [H]."""
+        logprobs = self._logits(token_branch).float().log_softmax(-1)
+        top = logprobs.topk(min(self.tree_top_k, logprobs.shape[-1]))
+        return self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
+
+    def _tree(self, max_depth: int) -> Draft:
+        """EAGLE-2 dynamic tree (see the module docstring)."""
+        token_branch, feature = self.last
+        nodes = [_Node(t, -1, 1, s) for t, s in zip(*self._children(token_branch[0, -1]), strict=True)]
+        entry: dict[int, int] = {}  # node -> its index in the head's cache, once expanded
+        verified = self.cache.length
+        features = {-1: feature[0, -1]}  # node -> feature output (the parent input of its children)
+        for depth in range(1, max_depth):
+            level = [i for i, node in enumerate(nodes) if node.depth == depth]
+            expand = heapq.nlargest(self.tree_top_k, level, key=lambda i: nodes[i].score)
+            if not expand:
+                break
+            visible = torch.zeros(len(expand), self.cache.length + len(expand), dtype=torch.bool)
+            visible[:, :verified] = True
+            for row, i in enumerate(expand):
+                parent = nodes[i].parent
+                while parent >= 0:  # ancestors were expanded at earlier depths
+                    visible[row, entry[parent]] = True
+                    parent = nodes[parent].parent
+                entry[i] = self.cache.length + row
+                visible[row, entry[i]] = True
+            inputs = torch.stack([features[nodes[i].parent] for i in expand])[None]  # [1, K, H]
+            token_branch, feature = self._run(inputs, [nodes[i].token for i in expand], depth, visible)
+            for row, i in enumerate(expand):
+                features[i] = feature[0, row]
+                for t, s in zip(*self._children(token_branch[0, row]), strict=True):
+                    nodes.append(_Node(t, i, depth + 1, nodes[i].score + s))
+        return self._select(nodes)
+
+    def _select(self, nodes: list[_Node]) -> Draft:
+        """The tree_nodes best nodes; a parent scores at least as high as its children and sorts
+        first on ties (shallower), so taking nodes in this order keeps every parent."""
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
+        chosen: set[int] = set()
+        for i in order:
+            if len(chosen) == self.tree_nodes:
+                break
+            if nodes[i].parent < 0 or nodes[i].parent in chosen:
+                chosen.add(i)
+        kept = sorted(chosen, key=lambda i: (nodes[i].depth, i))  # topological: parents first
+        index = {node: position for position, node in enumerate(kept)}
+        return Draft(tokens=[nodes[i].token for i in kept],
+                     parents=[index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in kept])
+
+
+def load_aligned_drafter(path: str | Path, target_model: PreTrainedModel, tree_nodes: int = 0,
+                         tree_top_k: int = 4) -> AlignedHeadDrafter:
+    """The head saved in `path`, run in the target's dtype (bf16 halves its cost too)."""
+    return AlignedHeadDrafter(load_head(path).to(target_model.dtype), target_model, tree_nodes, tree_top_k)
