@@ -33,8 +33,8 @@ class EvaluateConfig:
     """Tokens generated per prompt and method."""
     methods: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling@8", "draft-lm@4"])
     """Our methods, drafter[@size]; sizes of one kind make a sweep (the bundle takes the best)."""
-    bundle_drafter: str = "draft-lm"
-    """The drafter kind the bundle ships; its best lossless size becomes the bundle's default."""
+    bundle_drafters: list[str] = field(default_factory=lambda: ["draft-lm"])
+    """Drafter kinds the bundle may ship; the fastest lossless method among them becomes its default."""
     hf_assisted: bool = True
     """Also run HF assisted generation with the trained draft LM, as the baseline to beat."""
     compare_champion: bool = True
@@ -55,11 +55,16 @@ def read_split(path: Path, n: int) -> list[list[dict[str, str]]]:
     return [row["messages"] for row in rows[:n]]
 
 
-def default_method(methods: dict[str, dict[str, Any]], kind: str) -> str:
-    """The fastest lossless method of the bundle's drafter kind (the fastest of that kind if none is lossless)."""
-    candidates = [name for name in methods if name.split("@")[0] == kind]
+def method_kind(name: str) -> str:
+    """'draft-lm+specdecpp@8' -> 'draft-lm'."""
+    return name.partition("@")[0].partition("+")[0]
+
+
+def default_method(methods: dict[str, dict[str, Any]], kinds: list[str]) -> str:
+    """The fastest lossless method of the bundle's drafter kinds (the fastest of them if none is lossless)."""
+    candidates = [name for name in methods if method_kind(name) in kinds]
     if not candidates:
-        raise ValueError(f"evaluate.methods has no '{kind}' method, so the bundle's default cannot be chosen.")
+        raise ValueError(f"evaluate.methods has no method of {kinds}, so the bundle's default cannot be chosen.")
     lossless = [name for name in candidates if methods[name]["identical_to_ar"]] or candidates
     return max(lossless, key=lambda name: methods[name]["speedup_vs_ar"])
 
@@ -72,15 +77,27 @@ def snapshot(methods: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
                                 "tokens_per_s")}}
 
 
-def evaluate(cfg: EvaluateConfig, target: Target, prompts_file: Path, draft_model: Path | None,
+@dataclass
+class TrainedModels:
+    """Folders of the trained drafters the methods may use (None: not trained in this pipeline)."""
+
+    draft_model: Path | None = None
+    aligned_head: Path | None = None
+    acceptance_head: Path | None = None
+
+    def available(self) -> dict[str, str | None]:
+        return {name: str(path) if path is not None and path.exists() else None
+                for name, path in vars(self).items()}
+
+
+def evaluate(cfg: EvaluateConfig, target: Target, prompts_file: Path, models: TrainedModels,
              champion: SpeculativeGenerator | None) -> dict[str, Any]:
     prompts = read_split(prompts_file, cfg.n_prompts)
     bench = BenchConfig(dataset=str(prompts_file), n=len(prompts), max_new_tokens=cfg.max_new_tokens,
-                        drafters=cfg.methods, draft_model=str(draft_model) if draft_model else None,
-                        hf_assisted=cfg.hf_assisted)
+                        drafters=cfg.methods, hf_assisted=cfg.hf_assisted, **models.available())
     report = run_benchmark(target, prompts, bench, {CHAMPION_METHOD: champion} if champion else None)
     methods = report["methods"]
-    chosen = default_method(methods, cfg.bundle_drafter)
+    chosen = default_method(methods, cfg.bundle_drafters)
     report["default"] = snapshot(methods, chosen)
     if champion is not None:
         report["champion"] = snapshot(methods, CHAMPION_METHOD)

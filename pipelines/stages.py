@@ -10,7 +10,7 @@ import json
 import logging
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,20 +87,26 @@ def collect(params: Params) -> None:
     write_json(report_path(params, "collect"), run(cfg, _target(params), prompts_dir))
 
 
-def train_draft(params: Params) -> None:
+def _mlflow_logger(params: Params, stage: str):
+    """A Lightning MLFlowLogger on the pipeline's tracking URI and experiment, one run per training stage."""
     from pytorch_lightning.loggers import MLFlowLogger
 
     from pipelines.registry import RegisterConfig, ensure_experiment
+
+    registry = _tracking(params)
+    register = section(params, RegisterConfig, "register")
+    ensure_experiment(register.experiment, register.artifact_root)
+    return MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
+                        run_name=stage, tags={"stage": stage})
+
+
+def train_draft(params: Params) -> None:
     from training.collect import CollectConfig
     from training.draft_lm import TrainDraftConfig
     from training.draft_lm import train_draft as run
 
     cfg = section(params, TrainDraftConfig, "train_draft")
-    registry = _tracking(params)
-    register = section(params, RegisterConfig, "register")
-    ensure_experiment(register.experiment, register.artifact_root)
-    logger = MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
-                          run_name="train_draft", tags={"stage": "train_draft"})
+    logger = _mlflow_logger(params, "train_draft")
     report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
     write_json(report_path(params, "train_draft"), {**report, "mlflow_run_id": logger.run_id})
 
@@ -118,19 +124,12 @@ def train_acceptance(params: Params) -> None:
 
 
 def train_aligned(params: Params) -> None:
-    from pytorch_lightning.loggers import MLFlowLogger
-
-    from pipelines.registry import RegisterConfig, ensure_experiment
     from training.aligned import TrainAlignedConfig
     from training.aligned import train_aligned as run
     from training.collect import CollectConfig
 
     cfg = section(params, TrainAlignedConfig, "train_aligned")
-    registry = _tracking(params)
-    register = section(params, RegisterConfig, "register")
-    ensure_experiment(register.experiment, register.artifact_root)
-    logger = MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
-                          run_name="train_aligned", tags={"stage": "train_aligned"})
+    logger = _mlflow_logger(params, "train_aligned")
     report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
     write_json(report_path(params, "train_aligned"), {**report, "mlflow_run_id": logger.run_id})
 
@@ -157,20 +156,30 @@ def _champion_generator(params: Params, target, workdir: Path):
     return text_generator.generator(SamplingParams())
 
 
+def trained_models(params: Params):
+    """Where this pipeline's training stages write their drafters (missing ones are skipped)."""
+    from pipelines.evaluate import TrainedModels
+    from training.acceptance import TrainAcceptanceConfig
+    from training.aligned import TrainAlignedConfig
+    from training.draft_lm import TrainDraftConfig
+
+    return TrainedModels(draft_model=Path(section(params, TrainDraftConfig, "train_draft").out_dir),
+                         aligned_head=Path(section(params, TrainAlignedConfig, "train_aligned").out_dir),
+                         acceptance_head=Path(section(params, TrainAcceptanceConfig, "train_acceptance").out_dir))
+
+
 def evaluate(params: Params) -> None:
     from pipelines import plots
     from pipelines.evaluate import EvaluateConfig
     from pipelines.evaluate import evaluate as run
-    from training.draft_lm import TrainDraftConfig
     from training.prompts import PrepareConfig
 
     cfg = section(params, EvaluateConfig, "evaluate")
     target = _target(params)
     prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
-    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
     with tempfile.TemporaryDirectory() as workdir:
         champion = _champion_generator(params, target, Path(workdir)) if cfg.compare_champion else None
-        report = run(cfg, target, prompts_file, draft, champion)
+        report = run(cfg, target, prompts_file, trained_models(params), champion)
     report.pop("per_prompt")
     write_json(cfg.out, report)
     plots.acceptance_per_position(report["methods"], Path(cfg.plots_dir) / "acceptance_per_position.png")
@@ -180,28 +189,32 @@ def evaluate(params: Params) -> None:
 def register(params: Params) -> None:
     from pipelines.evaluate import EvaluateConfig
     from pipelines.registry import RegisterConfig, git_provenance, register_bundle
+    from serving.acceptance_head import HEAD_COMPONENT
+    from serving.benchmark import parse_method
     from serving.bundle import write_bundle
+    from serving.factory import ALIGNED_KINDS
     from serving.target import load_tokenizer
-    from training.draft_lm import TrainDraftConfig
+    from training.acceptance import TrainAcceptanceConfig
 
     cfg = section(params, RegisterConfig, "register")
     evaluation = section(params, EvaluateConfig, "evaluate")
     target_cfg = section(params, TargetConfig, "target")
     report = json.loads(Path(evaluation.out).read_text())
     default = report["default"]
-    kind, _, size = default["method"].partition("@")
-    serving = {"verifier": "auto", **({"draft_tokens": int(size)} if size else {})}
-    draft_dir = Path(section(params, TrainDraftConfig, "train_draft").out_dir) if kind == "draft-lm" else None
+    kind, decoding = parse_method(default["method"], 6)
+    serving = {k: v for k, v in asdict(decoding).items() if k not in ("drafter", "extra")} | {"verifier": "auto"}
+    models = trained_models(params)
+    weights = {"draft-lm": models.draft_model, **{k: models.aligned_head for k in ALIGNED_KINDS}}.get(kind)
+    extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy == "specdecpp" else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
-    bundle = write_bundle(cfg.bundle_dir, drafter_dir=draft_dir, drafter_kind=kind, serving=serving,
+    bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
                           target_source=target_cfg.source, target_dtype=target_cfg.dtype, fingerprint=fingerprint,
-                          metrics=default, git_sha=git_provenance().get("git_sha"), overwrite=True)
+                          metrics=default, extra_dirs=extra, git_sha=git_provenance().get("git_sha"), overwrite=True)
     registry = _tracking(params)
-    plots = sorted(Path(evaluation.plots_dir).glob("*.png"))
-    train_report = report_path(params, "train_draft")
-    tags = {}
-    if train_report.is_file():
-        tags["train_run_id"] = str(json.loads(train_report.read_text()).get("mlflow_run_id"))
+    calibration = Path(section(params, TrainAcceptanceConfig, "train_acceptance").plot)
+    plots = sorted(Path(evaluation.plots_dir).glob("*.png")) + ([calibration] if calibration.is_file() else [])
+    tags = {f"{stage}_run_id": str(json.loads(path.read_text()).get("mlflow_run_id"))
+            for stage in ("train_draft", "train_aligned") if (path := report_path(params, stage)).is_file()}
     run_id, version = register_bundle(bundle, model_name=registry.model_name, experiment=cfg.experiment,
                                       artifact_root=cfg.artifact_root, params=params,
                                       metrics={**default, "methods": report["methods"]}, plots=plots, tags=tags)

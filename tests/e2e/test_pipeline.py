@@ -21,12 +21,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TINY_PARAMS = {
     "prepare": {"sharegpt_max": 0, "humaneval": False, "user_files": ["prompts.jsonl"], "val_fraction": 0.15,
                 "test_fraction": 0.15, "max_prompt_tokens": 64},
-    "collect": {"max_new_tokens": 8, "top_k_logits": 8, "hidden_layers": [], "shard_size": 4,
+    "collect": {"max_new_tokens": 8, "top_k_logits": 8, "hidden_layers": [0, 1], "shard_size": 4,
                 "max_prompts_per_split": 12},
     "train_draft": {"init_layers_from_target": True, "num_layers": 1, "batch_size": 4, "epochs": 1,
                     "max_seq_len": 64, "accelerator": "cpu"},
-    "evaluate": {"n_prompts": 3, "max_new_tokens": 8, "methods": ["prompt-lookup", "draft-lm@2", "draft-lm@3"]},
+    "train_aligned": {"draft_vocab_size": 32, "batch_size": 4, "epochs": 1, "max_seq_len": 64},
+    "train_acceptance": {"epochs": 2},
+    "evaluate": {"n_prompts": 3, "max_new_tokens": 8,
+                 "methods": ["hybrid@4", "draft-lm@2", "draft-lm+specdecpp@3", "aligned_head@2", "aligned_head_tree@4"]},
 }
+
+
+def params_of(project: Path) -> dict:
+    return yaml.safe_load((project / "params.yaml").read_text())
 
 
 def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -78,7 +85,8 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
     decision = json.loads((project / "metrics" / "promotion.json").read_text())
     assert decision["passed"], decision
     evaluation = json.loads((project / "metrics" / "eval.json").read_text())
-    assert evaluation["default"]["method"].startswith("draft-lm")
+    assert evaluation["default"]["method"].partition("@")[0].partition("+")[0] in params_of(project)["evaluate"][
+        "bundle_drafters"]
     assert all(row["identical_to_ar"] for row in evaluation["methods"].values())
     assert (project / "metrics" / "plots" / "speedup.png").stat().st_size > 0
     assert (project / "bundles" / "champion" / "manifest.json").is_file()
