@@ -38,6 +38,29 @@ def speedup_per_method(methods: dict[str, dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
+def speed_quality(report: dict[str, Any], modes: list[str], path: Path) -> Path:
+    """The lossy_eval trade-off: one line per lossy mode over its thresholds, plus the lossless point."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lossless = report["lossless"]
+    ax.scatter([lossless["speedup_vs_ar"]], [lossless["quality"]], marker="*", s=160, color="black",
+               label="lossless speculative", zorder=3)
+    for mode in modes:
+        points = sorted(report.get(mode, []), key=lambda p: p["threshold"])
+        if not points:
+            continue
+        xs, ys = [p["speedup_vs_ar"] for p in points], [p["quality"] for p in points]
+        ax.plot(xs, ys, marker="o", label=mode)
+        for p in points:
+            ax.annotate(f"{p['threshold']:g}", (p["speedup_vs_ar"], p["quality"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.axvline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set(xlabel="speedup vs autoregressive greedy", ylabel=f"quality ({report['scorer']})",
+           title="Lossy modes: speed vs quality (labels: threshold)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

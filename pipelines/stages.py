@@ -186,6 +186,35 @@ def evaluate(params: Params) -> None:
     plots.speedup_per_method(report["methods"], Path(cfg.plots_dir) / "speedup.png")
 
 
+def train_router(params: Params) -> None:
+    from training.draft_lm import TrainDraftConfig
+    from training.prompts import PrepareConfig
+    from training.router import TrainRouterConfig
+    from training.router import train_router as run
+
+    cfg = section(params, TrainRouterConfig, "train_router")
+    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
+    write_json(report_path(params, "train_router"), run(cfg, _target(params), prompts_file, draft))
+
+
+def lossy_eval(params: Params) -> None:
+    from pipelines import plots
+    from pipelines.lossy_eval import MODES, ORACLE, LossyEvalConfig
+    from pipelines.lossy_eval import lossy_eval as run
+    from training.draft_lm import TrainDraftConfig
+    from training.prompts import PrepareConfig
+    from training.router import TrainRouterConfig
+
+    cfg = section(params, LossyEvalConfig, "lossy_eval")
+    router = section(params, TrainRouterConfig, "train_router")
+    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
+    report = run(cfg, _target(params), prompts_file, draft, Path(router.out_dir), oracle_margin=router.margin)
+    write_json(cfg.out, report)
+    plots.speed_quality(report, [*MODES, ORACLE], Path(cfg.plot))
+
+
 def register(params: Params) -> None:
     from pipelines.evaluate import EvaluateConfig
     from pipelines.registry import RegisterConfig, git_provenance, register_bundle
@@ -247,7 +276,7 @@ def publish(params: Params) -> None:
 
 STAGES: dict[str, Callable[[Params], None]] = {
     "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_acceptance": train_acceptance,
-    "train_aligned": train_aligned, "evaluate": evaluate,
+    "train_aligned": train_aligned, "evaluate": evaluate, "train_router": train_router, "lossy_eval": lossy_eval,
     "register": register, "promote": promote, "publish": publish,
 }
 

@@ -15,6 +15,7 @@ from serving.drafters.base import Drafter
 from serving.drafters.draft_lm import DraftLMDrafter
 from serving.drafters.prompt_lookup import PromptLookupDrafter
 from serving.drafters.recycling import RecyclingDrafter
+from serving.lossy import LOSSY_MODES, OFF, LossyModels
 from serving.policies import (
     POLICIES,
     DraftLengthPolicy,
@@ -23,6 +24,7 @@ from serving.policies import (
     HeuristicPolicy,
     SpecDecPPPolicy,
 )
+from serving.router import COMPONENT as ROUTER_COMPONENT
 from serving.speculative import SpeculativeGenerator
 from serving.target import DTYPES, Target, encode_prompt, load_target
 from serving.types import SamplingParams
@@ -51,6 +53,15 @@ class DecodingConfig:
     # expanded node (also how many nodes a level expands). Size the tree by the verify cost curve.
     aligned_tree_nodes: int = 12
     aligned_tree_top_k: int = 4
+    # Lossy acceleration, opt-in: "off" keeps the output identical to the target's. One of
+    # serving.lossy.LOSSY_MODES: autojudge accepts mismatching draft tokens its classifier deems
+    # unimportant (arXiv 2504.20039); arbitrage keeps whole draft steps its router deems as good as the
+    # target's (arXiv 2512.05033). Both need the draft-lm drafter, greedy decoding and router_dir; a
+    # sampled request under a lossy default is served losslessly (its stats say lossy: false).
+    lossy_mode: str = "off"
+    # Accept when the router's P(this costs quality) is below it: 0 is lossless; None takes the trained default.
+    lossy_threshold: float | None = None
+    router_dir: str | None = None  # train_router's output folder; a bundle fills it from its router/ component
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,16 +133,39 @@ class TextGenerator:
         self.drafter = drafter
         self.config = config
         self.policy = build_policy(config, target, drafter)  # built once: goodput times the models here
+        self._lossy: LossyModels | None = None
+        if config.lossy_mode not in LOSSY_MODES:
+            raise ValueError(f"Unknown lossy_mode '{config.lossy_mode}'. Choose one of: {', '.join(LOSSY_MODES)}.")
+        if config.lossy_mode != OFF:  # fail at load, not at the first request
+            self.lossy_models().router(config.lossy_mode)
 
-    def generator(self, sampling: SamplingParams) -> SpeculativeGenerator:
+    def lossy_models(self) -> LossyModels:
+        if self._lossy is None:
+            if not isinstance(self.drafter, DraftLMDrafter):
+                raise ValueError(f"The lossy modes draft with a draft LM; this generator's drafter is "
+                                 f"'{self.config.drafter}'.")
+            if self.config.router_dir is None:
+                raise ValueError("The lossy modes need router_dir: the train_router stage's output folder.")
+            self._lossy = LossyModels(self.target, self.drafter.model, self.config.router_dir)
+        return self._lossy
+
+    def generator(self, sampling: SamplingParams, lossy_mode: str | None = None,
+                  lossy_threshold: float | None = None) -> SpeculativeGenerator:
+        """lossy_mode/lossy_threshold, when given, override serving.yaml's for this request. A lossy default
+        applies to greedy requests only; asking for a lossy mode while sampling is an error (in `stream`)."""
+        mode = lossy_mode if lossy_mode is not None else (self.config.lossy_mode if sampling.greedy else OFF)
+        if mode != OFF:
+            threshold = lossy_threshold if lossy_threshold is not None else self.config.lossy_threshold
+            return self.lossy_models().generator(mode, threshold, self.config.draft_tokens)
         return SpeculativeGenerator(self.target, self.drafter, resolve_verifier(self.config.verifier, sampling),
                                     self.config.draft_tokens, policy=self.policy)
 
     def generate_text(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 64, temperature: float = 0.0,
-                      top_p: float = 1.0, seed: int | None = None, raw: bool = False) -> dict[str, Any]:
+                      top_p: float = 1.0, seed: int | None = None, raw: bool = False, lossy_mode: str | None = None,
+                      lossy_threshold: float | None = None) -> dict[str, Any]:
         sampling = SamplingParams(temperature=temperature, top_p=top_p)
         ids = encode_prompt(self.target.tokenizer, prompt, raw=raw)
-        result = self.generator(sampling).generate(ids, max_new_tokens, sampling, seed)
+        result = self.generator(sampling, lossy_mode, lossy_threshold).generate(ids, max_new_tokens, sampling, seed)
         text = self.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return {"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                 "stats": result.stats.to_dict()}
@@ -148,6 +182,8 @@ def generator_from_bundle(bundle_path: str | Path, target: Target | None = None)
     known = {f for f in DecodingConfig.__dataclass_fields__ if f != "extra"}
     config = DecodingConfig(**{k: v for k, v in bundle.serving.items() if k in known},
                             extra={k: v for k, v in bundle.serving.items() if k not in known})
+    if config.router_dir is None and ROUTER_COMPONENT in bundle.extra_dirs:
+        config.router_dir = str(bundle.extra_dirs[ROUTER_COMPONENT])
     head = bundle.extra_dirs.get(HEAD_COMPONENT) if bundle.drafter_kind == "draft-lm" else None
     drafter = build_drafter(bundle.drafter_kind, target, config, bundle.drafter_dir, head)
     return TextGenerator(target, drafter, config)

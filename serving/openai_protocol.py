@@ -131,7 +131,10 @@ def usage(completion: Completion) -> dict[str, Any]:
     generated = len(completion.output_ids)
     return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated,
             "total_tokens": completion.prompt_tokens + generated, "drafted": stats.drafted,
-            "accepted": stats.accepted, "mean_accepted_length": round(stats.mean_accepted_length, 4)}
+            "accepted": stats.accepted, "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            # A lossy mode's output is not the target's own: say so, and how lossy (serving/autojudge.py, arbitrage.py).
+            "lossy": stats.lossy, **({"lossy_mode": stats.lossy_mode, "lossy_threshold": stats.lossy_threshold}
+                                     if stats.lossy else {})}
 
 
 def system_fingerprint(completion: Completion) -> str:

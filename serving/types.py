@@ -42,6 +42,13 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    # Lossy modes (serving/autojudge.py, serving/arbitrage.py) mark their output so nobody mistakes it
+    # for the target's own: lossy_accepted counts mismatching tokens the judge accepted (autojudge)
+    # or draft steps kept without the target (arbitrage).
+    lossy: bool = False
+    lossy_mode: str | None = None
+    lossy_threshold: float | None = None
+    lossy_accepted: int = 0
 
     def record_step(self, drafted: int, accepted: int, depth: int) -> None:
         """`depth` is the deepest draft position offered (a tree's depth, a chain's length)."""
