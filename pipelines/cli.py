@@ -179,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--params", default="params.yaml", help="the params file")
     stage.set_defaults(func=cmd_stage)
 
+    from serving.commands import register as register_serving_commands  # serve, feedback export
+
+    register_serving_commands(sub)
+
+    from pipelines.retrain import register as register_retrain  # retrain: online retraining (OSD)
+
+    register_retrain(sub)
+
     export = sub.add_parser("export", help="export a bundle's aligned head for vLLM or SGLang",
                             description="Write an aligned head bundle in an EAGLE-3 layout that vLLM (vllm-speculators) "
                                         "or SGLang (sglang) serves; see docs/export.md.")

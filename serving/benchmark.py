@@ -46,7 +46,7 @@ class BenchConfig:
     acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp
     stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
-    hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens
+    hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
 
 
 def parse_method(spec: str, default_tokens: int) -> tuple[str, DecodingConfig]:
@@ -94,10 +94,9 @@ def build_methods(target: Target, cfg: BenchConfig,
     from serving.factory import load_draft_model
 
     m = cfg.max_new_tokens
-    methods: dict[str, Method] = {
-        BASELINE: _hf_method(target, m),
-        "hf_prompt_lookup": _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens),
-    }
+    methods: dict[str, Method] = {BASELINE: _hf_method(target, m)}
+    if cfg.hf_prompt_lookup_tokens:
+        methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
     if cfg.draft_model and cfg.hf_assisted:
         methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model))
     for spec in cfg.drafters:
@@ -144,8 +143,13 @@ def acceptance_per_position(stats: GenerationStats) -> list[float]:
 
 def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig,
                   extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
-    encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
-    encoded = [ids for ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    return run_benchmark_ids(target, [encode_prompt(target.tokenizer, p) for p in prompts], cfg, extra)
+
+
+def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig,
+                      extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
+    """run_benchmark on prompts that are token ids already (e.g. served requests from the feedback log)."""
+    encoded = [ids for ids in prompts if len(ids) <= cfg.max_prompt_tokens]
     if not encoded:
         raise ValueError(f"Every prompt is longer than max_prompt_tokens={cfg.max_prompt_tokens}.")
     methods = build_methods(target, cfg, extra)

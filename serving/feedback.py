@@ -39,9 +39,13 @@ CREATE TABLE IF NOT EXISTS requests (
 CREATE INDEX IF NOT EXISTS requests_created_at ON requests (created_at);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('dropped_rows', 0);
+-- Drawn once when the log is created: a consumer's watermark (OSD) names the log it counts ids in, so
+-- a database recreated at the same path is never read as the old one.
+INSERT OR IGNORE INTO meta (key, value) VALUES ('log_id', random());
 """
 
 EXPORT_SCHEMA = pa.schema([
+    ("id", pa.int64()),  # AUTOINCREMENT: grows with every row, never reused; OSD's watermark is an id
     ("request_id", pa.string()),
     ("created_at", pa.timestamp("us", tz="UTC")),
     ("bundle_version", pa.string()),
@@ -142,26 +146,28 @@ def parse_since(text: str) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def export(db: Path | str, since: datetime | None, out: Path | str) -> int:
-    """Write rows created at or after `since` (all rows for None) to a Parquet file; returns the row count."""
+def _existing(db: Path | str) -> Path:
     db = Path(db)
     if not db.is_file():
         raise FileNotFoundError(f"Feedback database {db} does not exist; is the server logging to another path?")
-    start = 0.0 if since is None else (since if since.tzinfo else since.replace(tzinfo=timezone.utc)).timestamp()
-    conn = connect(db)
+    return db
+
+
+def _write_parquet(db: Path | str, where: str, args: tuple[Any, ...], out: Path | str) -> int:
+    """Write the rows matching an SQL condition (with its ORDER BY/LIMIT) to Parquet; returns the row count."""
+    conn = connect(_existing(db))
     try:
         rows = conn.execute(
-            "SELECT request_id, created_at, bundle_version, model_version, drafter, endpoint, prompt_ids, output_ids, "
-            "sampling, steps, finish_reason, prompt_text FROM requests WHERE created_at >= ? ORDER BY id",
-            (start,)).fetchall()
+            "SELECT id, request_id, created_at, bundle_version, model_version, drafter, endpoint, prompt_ids, "
+            f"output_ids, sampling, steps, finish_reason, prompt_text FROM requests WHERE {where}", args).fetchall()
     finally:
         conn.close()
     columns: dict[str, list[Any]] = {name: [] for name in EXPORT_SCHEMA.names}
-    for (request_id, created_at, bundle_version, model_version, drafter, endpoint, prompt_ids, output_ids,
+    for (row_id, request_id, created_at, bundle_version, model_version, drafter, endpoint, prompt_ids, output_ids,
          sampling, steps, finish_reason, prompt_text) in rows:
         per_step = json.loads(steps)
         values = {
-            "request_id": request_id, "created_at": datetime.fromtimestamp(created_at, timezone.utc),
+            "id": row_id, "request_id": request_id, "created_at": datetime.fromtimestamp(created_at, timezone.utc),
             "bundle_version": bundle_version, "model_version": model_version, "drafter": drafter,
             "endpoint": endpoint, "prompt_ids": json.loads(prompt_ids), "output_ids": json.loads(output_ids),
             "sampling": sampling, "step_drafted": [d for d, _ in per_step],
@@ -173,3 +179,41 @@ def export(db: Path | str, since: datetime | None, out: Path | str) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns, schema=EXPORT_SCHEMA), out)
     return len(rows)
+
+
+def export(db: Path | str, since: datetime | None, out: Path | str) -> int:
+    """Write rows created at or after `since` (all rows for None) to a Parquet file; returns the row count."""
+    start = 0.0 if since is None else (since if since.tzinfo else since.replace(tzinfo=timezone.utc)).timestamp()
+    return _write_parquet(db, "created_at >= ? ORDER BY id", (start,), out)
+
+
+def export_after(db: Path | str, after_id: int, limit: int, out: Path | str) -> int:
+    """Write the oldest `limit` rows whose id is above `after_id` to Parquet; returns the row count.
+
+    Ids, unlike timestamps, never tie and never go back with the clock, so a consumer that remembers
+    the last id it used reads every row exactly once (OSD retraining, pipelines/retrain.py).
+    """
+    return _write_parquet(db, "id > ? ORDER BY id LIMIT ?", (after_id, limit), out)
+
+
+@dataclass(frozen=True)
+class LogState:
+    """Where a consumer that has read every row up to `after_id` stands."""
+
+    log_id: int  # drawn when the database was created (see SCHEMA)
+    pending: int  # rows whose id is above after_id
+    last_assigned: int  # the largest id ever assigned; survives the retention cap's deletions
+
+
+def log_state(db: Path | str, after_id: int) -> LogState:
+    conn = connect(_existing(db))
+    try:
+        log_id = conn.execute("SELECT value FROM meta WHERE key = 'log_id'").fetchone()
+        pending = conn.execute("SELECT COUNT(*) FROM requests WHERE id > ?", (after_id,)).fetchone()[0]
+        last = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchone()
+    finally:
+        conn.close()
+    if log_id is None:
+        raise RuntimeError(f"Feedback database {db} has no log id: an older specops created it. Start the server on "
+                           "it once (it adds the id), then retry.")
+    return LogState(log_id=log_id[0], pending=pending, last_assigned=last[0] if last else 0)
