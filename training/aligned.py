@@ -42,8 +42,9 @@ from training.aligned_losses import (
     topk_hits,
 )
 from training.draft_lm import check_traces
-from training.strategies import STRATEGIES, full_state_dict, make_strategy
+from training.strategies import full_state_dict
 from training.traces import MANIFEST, TraceShards
+from training.trainer import TrainerConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ FIELDS = ("input_ids", "loss_mask", "topk_ids", "topk_logprobs", "hidden_states"
 
 
 @dataclass
-class TrainAlignedConfig:
+class TrainAlignedConfig(TrainerConfig):
     """params.yaml section `train_aligned`."""
 
     draft_vocab_size: int | None = 8192
@@ -77,44 +78,17 @@ class TrainAlignedConfig:
     """Step j's losses weigh step_decay**j (EAGLE-3): early drafts matter most."""
     lr: float = 5e-4
     """AdamW learning rate (constant)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    batch_size: int = 8
-    """Sequences per batch and device."""
-    epochs: int = 1
-    """Passes over the train traces (max_steps stops earlier when set)."""
-    max_steps: int = -1
-    """Optimizer steps cap; -1 means epochs decide."""
     max_seq_len: int = 512
     """Head positions per sequence; longer sequences are cut (the start is kept)."""
     gradient_clip_val: float = 0.5
     """Gradient norm clipping; 0 disables it."""
-    strategy: str = "auto"
-    """Lightning strategy: auto, ddp, fsdp, deepspeed_stage_2 or deepspeed_stage_3 (see training.strategies)."""
-    deepspeed_config: str | None = None
-    """DeepSpeed JSON replacing training/deepspeed/zero{2,3}.json; only with a deepspeed strategy."""
-    precision: str = "32-true"
-    """Lightning precision, e.g. 32-true, bf16-mixed."""
-    accelerator: str = "auto"
-    """Lightning accelerator: auto, cpu, gpu."""
-    devices: int = 1
-    """Devices (processes) per node."""
-    num_nodes: int = 1
-    """Machines."""
-    log_every_n_steps: int = 10
-    """How often the training losses are logged."""
-    seed: int = 0
-    """Seeds the head's initialization and the data order."""
     out_dir: str = "models/aligned_head"
     """Where the head folder is written."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"train_aligned.strategy '{self.strategy}' is unknown. Choose one of: {', '.join(STRATEGIES)}.")
-        if self.deepspeed_config and not self.strategy.startswith("deepspeed"):
-            raise ValueError("train_aligned.deepspeed_config is set but the strategy is not a deepspeed one.")
-        if min(self.ttt_steps, self.alignment_top_k, self.batch_size, self.max_seq_len, self.epochs) < 1:
-            raise ValueError("train_aligned: ttt_steps, alignment_top_k, batch_size, max_seq_len and epochs must be >= 1.")
+        self.check_trainer("train_aligned")
+        if min(self.ttt_steps, self.alignment_top_k) < 1:
+            raise ValueError("train_aligned: ttt_steps and alignment_top_k must be >= 1.")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"train_aligned.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}.")
         if self.feature_weight < 0 or not 0 < self.step_decay <= 1:
@@ -310,13 +284,7 @@ def train_aligned(cfg: TrainAlignedConfig, target: Target, traces_dir: Path | st
     data = AlignedDataModule(traces_dir, cfg.batch_size, cfg.max_seq_len, cfg.seed)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
-    trainer = pl.Trainer(
-        strategy=make_strategy(cfg.strategy, cfg.deepspeed_config), accelerator=cfg.accelerator, devices=cfg.devices,
-        num_nodes=cfg.num_nodes, precision=cfg.precision, max_epochs=cfg.epochs, max_steps=cfg.max_steps,
-        gradient_clip_val=cfg.gradient_clip_val or None, log_every_n_steps=cfg.log_every_n_steps,
-        logger=logger if logger is not None else False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=1.0 if data.has_val else 0,
-    )
+    trainer = build_trainer(cfg, logger, data.has_val)
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - start

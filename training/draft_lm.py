@@ -34,8 +34,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from serving.target import Target, TargetFingerprint
 from training.losses import LOSSES
-from training.strategies import STRATEGIES, full_state_dict, make_strategy
+from training.strategies import full_state_dict
 from training.traces import MANIFEST, TraceShards, next_token_mask
+from training.trainer import TrainerConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ DISTILL_FIELDS = ("input_ids", "loss_mask", "topk_ids", "topk_logprobs")
 
 
 @dataclass
-class TrainDraftConfig:
+class TrainDraftConfig(TrainerConfig):
     """params.yaml section `train_draft`."""
 
     hidden_size: int = 576
@@ -67,50 +68,17 @@ class TrainDraftConfig:
     on a CPU the 49k-row head dominates the backward pass, and the copied head is already right."""
     loss: str = "forward_kl"
     """Distillation loss, one of training.losses.LOSSES: forward_kl, reverse_kl, jsd, tvd."""
-    lr: float = 3e-4
-    """AdamW learning rate (constant)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    batch_size: int = 8
-    """Sequences per batch and device."""
-    epochs: int = 1
-    """Passes over the train traces (max_steps stops earlier when set)."""
-    max_steps: int = -1
-    """Optimizer steps cap; -1 means epochs decide."""
-    max_seq_len: int = 1024
-    """Longer sequences are cut at this many tokens (the start is kept, as the draft sees it at inference)."""
-    gradient_clip_val: float = 1.0
-    """Gradient norm clipping (DeepSpeed gets it through its config); 0 disables it."""
-    strategy: str = "auto"
-    """Lightning strategy: auto, ddp, fsdp, deepspeed_stage_2 or deepspeed_stage_3 (see training.strategies)."""
-    deepspeed_config: str | None = None
-    """DeepSpeed JSON replacing training/deepspeed/zero{2,3}.json; only with a deepspeed strategy."""
-    precision: str = "32-true"
-    """Lightning precision, e.g. 32-true, bf16-mixed, 16-mixed."""
-    accelerator: str = "auto"
-    """Lightning accelerator: auto, cpu, gpu."""
-    devices: int = 1
-    """Devices (processes) per node."""
-    num_nodes: int = 1
-    """Machines."""
-    log_every_n_steps: int = 10
-    """How often the training loss is logged."""
-    seed: int = 0
-    """Seeds the draft's initialization and the data order."""
     out_dir: str = "models/draft_lm"
     """Where the Hugging Face folder is written."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"train_draft.loss '{self.loss}' is unknown. Choose one of: {', '.join(LOSSES)}.")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"train_draft.strategy '{self.strategy}' is unknown. Choose one of: {', '.join(STRATEGIES)}.")
-        if self.deepspeed_config and not self.strategy.startswith("deepspeed"):
-            raise ValueError("train_draft.deepspeed_config is set but the strategy is not a deepspeed one.")
+        self.check_trainer("train_draft")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"train_draft.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}.")
-        if min(self.batch_size, self.max_seq_len, self.epochs, self.num_layers) < 1:
-            raise ValueError("train_draft: batch_size, max_seq_len, epochs and num_layers must be >= 1.")
+        if self.num_layers < 1:
+            raise ValueError("train_draft.num_layers must be >= 1.")
 
 
 def build_draft_model(target_model: PreTrainedModel, cfg: TrainDraftConfig) -> LlamaForCausalLM:
@@ -289,13 +257,7 @@ def train_draft(cfg: TrainDraftConfig, target: Target, traces_dir: Path | str, l
     data = TraceDataModule(traces_dir, cfg.batch_size, cfg.max_seq_len, cfg.seed)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
-    trainer = pl.Trainer(
-        strategy=make_strategy(cfg.strategy, cfg.deepspeed_config), accelerator=cfg.accelerator, devices=cfg.devices,
-        num_nodes=cfg.num_nodes, precision=cfg.precision, max_epochs=cfg.epochs, max_steps=cfg.max_steps,
-        gradient_clip_val=cfg.gradient_clip_val or None, log_every_n_steps=cfg.log_every_n_steps,
-        logger=logger if logger is not None else False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=1.0 if data.has_val else 0,
-    )
+    trainer = build_trainer(cfg, logger, data.has_val)
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - start
