@@ -79,7 +79,10 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
     import mlflow
     from mlflow import MlflowClient
 
-    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    # Both: an earlier test in this process may have pointed the registry URI elsewhere.
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
     model = MlflowClient().get_registered_model("specops-drafter")
     assert set(model.aliases) == {"challenger", "champion"}
     decision = json.loads((project / "metrics" / "promotion.json").read_text())
