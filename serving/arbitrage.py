@@ -123,16 +123,9 @@ class ArbitrageGenerator(SpeculativeGenerator):
                 else:
                     new = self._target_step(lm, context, run.tokens, limit, out)
                     stats.verify_s += time.perf_counter() - tock
-                stop = next((i for i, t in enumerate(new) if t in self.eos), None)
-                if stop is not None:
-                    new = new[: stop + 1]
-                    out.finish_reason = "stop"
-                context.extend(new)
-                out.token_ids.extend(new)
-                stats.new_tokens += len(new)
-                stats.total_s = time.perf_counter() - start
+                new, stopped = self._commit(new, context, out, start)
                 yield new
-                if stop is not None:
+                if stopped:
                     break
 
     def _target_step(self, lm: CachedLM, context: list[int], proposal: list[int], limit: int,

@@ -109,19 +109,23 @@ class SpeculativeGenerator:
                 stats.verify_s += time.perf_counter() - tock
                 stats.record_step(len(draft.tokens), len(accepted), draft.depth)
                 self.policy.update(len(draft.tokens), len(accepted))
-                new = accepted + [next_token]
-                stop = next((i for i, t in enumerate(new) if t in self.eos), None)
-                if stop is not None:
-                    new = new[: stop + 1]
-                    out.finish_reason = "stop"
                 stats.bonus += int(len(accepted) == len(draft.tokens) > 0 and not draft.is_tree)
-                context.extend(new)
-                out.token_ids.extend(new)
-                stats.new_tokens += len(new)
-                stats.total_s = time.perf_counter() - start
+                new, stopped = self._commit(accepted + [next_token], context, out, start)
                 yield new
-                if stop is not None:
+                if stopped:
                     break
+
+    def _commit(self, new: list[int], context: list[int], out: Generation, start: float) -> tuple[list[int], bool]:
+        """Append one step's tokens, cut after the first EOS, to the sequence; True when generation ends."""
+        stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+        if stop is not None:
+            new = new[: stop + 1]
+            out.finish_reason = "stop"
+        context.extend(new)
+        out.token_ids.extend(new)
+        out.stats.new_tokens += len(new)
+        out.stats.total_s = time.perf_counter() - start
+        return new, stop is not None
 
     def _propose(self, context: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
         if self.drafter is None or k <= 0:

@@ -62,3 +62,12 @@ def target(tokenizer):
 @pytest.fixture(scope="session")
 def draft_model():
     return tiny_llama(seed=1, layers=1, hidden=32)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory, draft_model, tokenizer):
+    """The tiny draft LM as a Hugging Face folder."""
+    path = tmp_path_factory.mktemp("draft")
+    draft_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

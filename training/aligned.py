@@ -30,7 +30,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.loggers import Logger
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
 from serving.aligned_head import AlignedHead, AlignedHeadConfig, save_head
 from serving.target import Target
@@ -43,8 +43,8 @@ from training.aligned_losses import (
 )
 from training.draft_lm import check_traces
 from training.strategies import full_state_dict
-from training.traces import MANIFEST, TraceShards
-from training.trainer import TrainerConfig, build_trainer
+from training.traces import TraceShards
+from training.trainer import TraceDataModule, TrainerConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -155,26 +155,6 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-class AlignedDataModule(pl.LightningDataModule):
-    def __init__(self, traces_dir: Path, batch_size: int, max_seq_len: int, seed: int) -> None:
-        super().__init__()
-        self.traces_dir, self.batch_size, self.max_seq_len, self.seed = traces_dir, batch_size, max_seq_len, seed
-        self.has_val = (traces_dir / "val" / MANIFEST).is_file()
-
-    def setup(self, stage: str) -> None:
-        self.train = AlignedDataset(self.traces_dir / "train", self.max_seq_len)
-        self.val = AlignedDataset(self.traces_dir / "val", self.max_seq_len) if self.has_val else None
-
-    def train_dataloader(self) -> DataLoader:
-        # An explicit sampler under every strategy, so the data order depends on the seed alone.
-        sampler = DistributedSampler(self.train, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-                                     shuffle=True, seed=self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
-
-    def val_dataloader(self) -> DataLoader | list:
-        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=collate) if self.val is not None else []
-
-
 class AlignedTraining(pl.LightningModule):
     """The unrolled losses of the module docstring; the target's embeddings (and LM head, without a
     draft vocabulary) ride along as frozen buffers."""
@@ -281,7 +261,7 @@ def train_aligned(cfg: TrainAlignedConfig, target: Target, traces_dir: Path | st
     head, coverage = build_head(target, cfg, TraceShards(traces_dir / "train", fields=("input_ids", "loss_mask")))
     target_head = target.model.get_output_embeddings().weight if head.lm_head is None else None
     module = AlignedTraining(head, target.model.get_input_embeddings().weight, target_head, cfg)
-    data = AlignedDataModule(traces_dir, cfg.batch_size, cfg.max_seq_len, cfg.seed)
+    data = TraceDataModule(traces_dir, AlignedDataset, collate, cfg.batch_size, cfg.max_seq_len, cfg.seed)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
     trainer = build_trainer(cfg, logger, data.has_val)

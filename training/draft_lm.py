@@ -29,14 +29,14 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import Logger
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from serving.target import Target, TargetFingerprint
 from training.losses import LOSSES
 from training.strategies import full_state_dict
-from training.traces import MANIFEST, TraceShards, next_token_mask
-from training.trainer import TrainerConfig, build_trainer
+from training.traces import TraceShards, next_token_mask
+from training.trainer import TraceDataModule, TrainerConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -161,31 +161,6 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-class TraceDataModule(pl.LightningDataModule):
-    """Train (shuffled by seed, sharded across ranks) and optional validation batches from traces_dir/{train,val}."""
-
-    def __init__(self, traces_dir: Path, batch_size: int, max_seq_len: int, seed: int) -> None:
-        super().__init__()
-        self.traces_dir, self.batch_size, self.max_seq_len, self.seed = traces_dir, batch_size, max_seq_len, seed
-        self.has_val = (traces_dir / "val" / MANIFEST).is_file()
-
-    def setup(self, stage: str) -> None:
-        self.train = DistillDataset(self.traces_dir / "train", self.max_seq_len)
-        self.val = DistillDataset(self.traces_dir / "val", self.max_seq_len) if self.has_val else None
-
-    def train_dataloader(self) -> DataLoader:
-        # The same explicit sampler under every strategy, so the data order depends on the seed alone:
-        # Lightning keeps a DistributedSampler it is given, and sets its epoch for reshuffling.
-        sampler = DistributedSampler(self.train, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-                                     shuffle=True, seed=self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val is None:
-            return []
-        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=collate)
-
-
 class DraftDistillation(pl.LightningModule):
     """Distills the target's stored top-k distributions into the draft with a loss from LOSSES."""
 
@@ -254,7 +229,7 @@ def train_draft(cfg: TrainDraftConfig, target: Target, traces_dir: Path | str, l
         draft.get_output_embeddings().weight.requires_grad_(False)
     parameters = sum(p.numel() for p in draft.parameters())  # before ZeRO-3 can partition them
     module = DraftDistillation(draft, cfg.loss, cfg.lr, cfg.weight_decay)
-    data = TraceDataModule(traces_dir, cfg.batch_size, cfg.max_seq_len, cfg.seed)
+    data = TraceDataModule(traces_dir, DistillDataset, collate, cfg.batch_size, cfg.max_seq_len, cfg.seed)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
     trainer = build_trainer(cfg, logger, data.has_val)

@@ -1,13 +1,19 @@
-"""Lightning settings shared by the training stages, and the one place a Trainer is built from them."""
+"""Lightning settings shared by the training stages, the one place a Trainer is built from them, and the
+trace data module they all read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import Logger
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from training.strategies import STRATEGIES, make_strategy
+from training.traces import MANIFEST
 
 
 @dataclass
@@ -63,3 +69,31 @@ def build_trainer(cfg: TrainerConfig, logger: Logger | None, has_val: bool) -> p
         logger=logger if logger is not None else False, enable_checkpointing=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
     )
+
+
+class TraceDataModule(pl.LightningDataModule):
+    """Train (shuffled by seed, sharded across ranks) and optional validation batches from
+    traces_dir/{train,val}; each stage brings its own dataset view of the shards and its collate."""
+
+    def __init__(self, traces_dir: Path, dataset: Callable[[Path, int], Dataset],
+                 collate: Callable[[list[Any]], Any], batch_size: int, max_seq_len: int, seed: int) -> None:
+        super().__init__()
+        self.traces_dir, self.dataset, self.collate = traces_dir, dataset, collate
+        self.batch_size, self.max_seq_len, self.seed = batch_size, max_seq_len, seed
+        self.has_val = (traces_dir / "val" / MANIFEST).is_file()
+
+    def setup(self, stage: str) -> None:
+        self.train = self.dataset(self.traces_dir / "train", self.max_seq_len)
+        self.val = self.dataset(self.traces_dir / "val", self.max_seq_len) if self.has_val else None
+
+    def train_dataloader(self) -> DataLoader:
+        # The same explicit sampler under every strategy, so the data order depends on the seed alone:
+        # Lightning keeps a DistributedSampler it is given, and sets its epoch for reshuffling.
+        sampler = DistributedSampler(self.train, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
+                                     shuffle=True, seed=self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val is None:
+            return []
+        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=self.collate)

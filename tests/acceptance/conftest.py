@@ -22,15 +22,6 @@ def random_head(hidden_size: int, seed: int = 0, rejection_weight: float = 1.0) 
 
 
 @pytest.fixture(scope="session")
-def draft_dir(tmp_path_factory: pytest.TempPathFactory, draft_model, tokenizer) -> Path:
-    """The shared tiny draft LM (tests/conftest.py) as a Hugging Face folder."""
-    path = tmp_path_factory.mktemp("draft")
-    draft_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def head_dir(tmp_path_factory: pytest.TempPathFactory, draft_model) -> Path:
     """A random head for the tiny draft LM, saved as a head folder."""
     return random_head(draft_model.config.hidden_size).save(tmp_path_factory.mktemp("head"))

@@ -10,11 +10,10 @@ tested against the unchanged p and q) must fail the same test, proving the test 
 from __future__ import annotations
 
 import torch
-from scipy.stats import chisquare
 
 from serving.sampling import sample
 from serving.verify import verify_tree_rsd
-from tests.serving.test_verify_distribution import exact_target, p_of, q_of
+from tests.serving.test_verify_distribution import p_of, p_value, q_of
 
 L, N = 3, 12_000
 
@@ -56,13 +55,6 @@ def run_tree(rule, generator: torch.Generator) -> tuple[int, ...]:
         path, nxt = rule(torch.tensor(tokens), parents, q, p, generator)
         ctx = ctx + tuple(tokens[i] for i in path) + (nxt,)
     return ctx[:L]
-
-
-def p_value(samples: list[tuple[int, ...]]) -> float:
-    exact = exact_target()
-    keys = sorted(exact)
-    observed = [sum(1 for s in samples if s == key) for key in keys]
-    return float(chisquare(observed, [exact[key] * len(samples) for key in keys]).pvalue)
 
 
 def test_rsd_preserves_the_target_distribution():

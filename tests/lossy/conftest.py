@@ -37,14 +37,6 @@ def router_dir(tmp_path_factory: pytest.TempPathFactory, target, draft_model) ->
 
 
 @pytest.fixture(scope="session")
-def draft_dir(tmp_path_factory: pytest.TempPathFactory, draft_model, tokenizer) -> Path:
-    path = tmp_path_factory.mktemp("draft")
-    draft_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared split of tiny chat prompts (rows as the prepare stage writes them)."""
     path = tmp_path_factory.mktemp("prompts") / "test.jsonl"
