@@ -55,7 +55,8 @@ def acceptance_features(hidden: torch.Tensor, logits: torch.Tensor, tokens: torc
     """hidden [N, H], draft logits [N, V], drafted tokens [N] -> features [N, H + 2], float32."""
     log_q = logits.float().log_softmax(-1)  # [N, V]
     q_x = log_q.gather(-1, tokens[:, None]).exp()  # [N, 1]
-    entropy = -(log_q.exp() * log_q).sum(-1, keepdim=True) / math.log(logits.shape[-1])  # [N, 1], in [0, 1]
+    # entr(0) = 0: a draft with a reduced vocabulary gives the other tokens logit -inf.
+    entropy = torch.special.entr(log_q.exp()).sum(-1, keepdim=True) / math.log(logits.shape[-1])  # [N, 1], in [0, 1]
     return torch.cat([hidden.float(), q_x, entropy], dim=-1)
 
 

@@ -28,13 +28,18 @@ def humaneval_message(code: str) -> str:
     return f"Complete the following Python function. Reply with the code only.\n\n```python\n{code}```"
 
 
+def humaneval_reply(code: str, solution: str) -> str:
+    """The canonical solution as an answer to `humaneval_message`: the completed function, code only."""
+    return f"```python\n{code}{solution}```"
+
+
 def read_humaneval(path: Path | None = None) -> Iterator[Candidate]:
     with gzip.open(path or humaneval_jsonl_gz(), "rt") as handle:
         for line in handle:
             task = json.loads(line)
             yield {"messages": [{"role": "user", "content": humaneval_message(task["prompt"])}],
                    "task_id": task["task_id"], "test": task["test"], "entry_point": task["entry_point"],
-                   "code_prompt": task["prompt"]}
+                   "code_prompt": task["prompt"], "reply": humaneval_reply(task["prompt"], task["canonical_solution"])}
 
 
 def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
@@ -71,19 +76,24 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
 
 
 def sharegpt_candidate(conversation: Any) -> Candidate:
-    """The first human turn of a ShareGPT conversation as a single user message."""
+    """The first human turn of a ShareGPT conversation as a single user message, and the assistant's
+    answer to it as `reply` when the next turn is one (collect can teacher-force it instead of regenerating)."""
     turns = conversation.get("conversations") if isinstance(conversation, dict) else None
     if not isinstance(turns, list):
         return "no conversations"
-    human = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
-    if human is None:
+    first = next((i for i, t in enumerate(turns) if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+    if first is None:
         return "no human turn"
+    human, answer = turns[first], (turns[first + 1:first + 2] or [None])[0]
     text = human.get("value")
     if not isinstance(text, str):
         return "non-string text"
     if not text.strip():
         return "empty text"
     row: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+    if isinstance(answer, dict) and answer.get("from") in ("gpt", "assistant") \
+            and isinstance(answer.get("value"), str) and answer["value"].strip():
+        row["reply"] = answer["value"]
     if isinstance(conversation.get("id"), str):
         row["sharegpt_id"] = conversation["id"]
     return row
@@ -100,7 +110,8 @@ def read_sharegpt(path: Path | None = None) -> Iterator[Candidate]:
 
 
 def user_candidate(data: Any) -> Candidate:
-    """A user JSONL object: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "answer"."""
+    """A user JSONL object: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "answer"
+    (a reference for the exact_match scorer) and "reply" (an answer collect can teacher-force)."""
     if not isinstance(data, dict):
         return "not an object"
     if "prompt" in data:
@@ -120,10 +131,11 @@ def user_candidate(data: Any) -> Candidate:
     else:
         return "neither prompt nor messages"
     row: dict[str, Any] = {"messages": messages}
-    if "answer" in data:
-        if not isinstance(data["answer"], str):
-            return "answer not a string"
-        row["answer"] = data["answer"]
+    for key in ("answer", "reply"):
+        if key in data:
+            if not isinstance(data[key], str):
+                return f"{key} not a string"
+            row[key] = data[key]
     return row
 
 

@@ -12,7 +12,7 @@ from serving.acceptance_head import HEAD_COMPONENT, AcceptanceHead
 from serving.cost_model import measure_cost_model
 from serving.drafters.aligned import ALIGNED_KINDS, load_aligned_drafter
 from serving.drafters.base import Drafter
-from serving.drafters.draft_lm import DraftLMDrafter
+from serving.drafters.draft_lm import DraftLMDrafter, load_draft_vocab
 from serving.drafters.prompt_lookup import PromptLookupDrafter
 from serving.drafters.recycling import RecyclingDrafter
 from serving.lossy import LOSSY_MODES, OFF, LossyModels
@@ -89,7 +89,8 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model
         # The draft runs in the target's dtype: bf16 halves its cost too.
         dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
-        return DraftLMDrafter(load_draft_model(draft_model_path, dtype), target.vocab_size, head)
+        vocab = load_draft_vocab(draft_model_path)
+        return DraftLMDrafter(load_draft_model(draft_model_path, dtype), target.vocab_size, head, vocab)
     if kind in ALIGNED_KINDS:
         if draft_model_path is None:
             raise ValueError(f"The {kind} drafter needs an aligned head folder (--aligned-head PATH).")

@@ -77,6 +77,12 @@ class CachedLM:
         out = self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         return out.logits[0], out.hidden_states[-1][0]
 
+    def forward_final_hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """Append tokens through the decoder alone: the final norm's output [n, H], no LM head (the caller
+        applies its own, e.g. a draft's reduced-vocabulary rows)."""
+        out = self.model.base_model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True)
+        return out.last_hidden_state[0]
+
     def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """Append the root plus tree nodes in one pass; logits [n+1, V] (row 0: root)."""
         past = self.length

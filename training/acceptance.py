@@ -37,6 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from serving.acceptance_head import AcceptanceHead, AcceptanceHeadConfig, acceptance_features
+from serving.drafters.draft_lm import load_draft_vocab, vocab_logits
 from serving.factory import load_draft_model
 from serving.target import Target
 from training.calibration import calibration, plot_calibration
@@ -131,12 +132,17 @@ class Examples:
 
 
 def sequence_examples(draft: PreTrainedModel, item: dict[str, torch.Tensor], cfg: TrainAcceptanceConfig,
-                      generator: torch.Generator) -> Examples:
+                      generator: torch.Generator, vocab: torch.Tensor | None = None) -> Examples:
     """The draft's proposal, head features and label at every position of one trace sequence."""
     rows = next_token_mask(item["loss_mask"])  # [T]: row t predicts token t+1, a response token
     # The LM head runs on the M labelled rows only: over a 49k vocabulary it is most of a small draft's cost.
-    out = draft(input_ids=item["input_ids"][None], output_hidden_states=True, logits_to_keep=rows.nonzero()[:, 0])
-    hidden, logits = out.hidden_states[-1][0][rows], out.logits[0].float()  # [M, H], [M, V]
+    if vocab is None:
+        out = draft(input_ids=item["input_ids"][None], output_hidden_states=True, logits_to_keep=rows.nonzero()[:, 0])
+        hidden, logits = out.hidden_states[-1][0][rows], out.logits[0].float()  # [M, H], [M, V]
+    else:  # the same restricted logits the drafter proposes from
+        hidden = draft.base_model(input_ids=item["input_ids"][None]).last_hidden_state[0][rows]  # [M, H]
+        rows_w = draft.get_output_embeddings().weight[vocab]
+        logits = vocab_logits(hidden, rows_w, vocab, draft.config.vocab_size).float()  # [M, V], -inf outside
     log_q = logits.log_softmax(-1)  # [M, V]
     if cfg.proposal == "argmax":
         tokens = log_q.argmax(-1)  # [M]
@@ -148,10 +154,10 @@ def sequence_examples(draft: PreTrainedModel, item: dict[str, torch.Tensor], cfg
 
 
 def split_examples(draft: PreTrainedModel, split_dir: Path, cfg: TrainAcceptanceConfig,
-                   generator: torch.Generator) -> Examples:
+                   generator: torch.Generator, vocab: torch.Tensor | None = None) -> Examples:
     shards = TraceShards(split_dir, fields=TRACE_FIELDS)
     with torch.inference_mode():
-        parts = [sequence_examples(draft, shards[i], cfg, generator) for i in range(len(shards))]
+        parts = [sequence_examples(draft, shards[i], cfg, generator, vocab) for i in range(len(shards))]
     if not parts or not sum(len(p) for p in parts):
         raise ValueError(f"{split_dir} holds no response positions: nothing to train the acceptance head on.")
     return Examples(torch.cat([p.features for p in parts]), torch.cat([p.labels for p in parts]))
@@ -212,9 +218,10 @@ def train_acceptance(cfg: TrainAcceptanceConfig, target: Target, draft_model_dir
         raise ValueError(f"The draft model in {draft_model_dir} does not share the target's vocabulary of "
                          f"{target.vocab_size} tokens: train its acceptance head with the target it drafts for.")
     proposal_rng = torch.Generator().manual_seed(cfg.seed)
-    train = split_examples(draft, traces_dir / "train", cfg, proposal_rng)
+    vocab = load_draft_vocab(draft_model_dir)
+    train = split_examples(draft, traces_dir / "train", cfg, proposal_rng, vocab)
     has_val = (traces_dir / "val" / MANIFEST).is_file()
-    val = split_examples(draft, traces_dir / "val", cfg, proposal_rng) if has_val else None
+    val = split_examples(draft, traces_dir / "val", cfg, proposal_rng, vocab) if has_val else None
     head = build_head(cfg, draft.config.hidden_size)
     train_loss = fit(head, train, cfg)
     checked = evaluate_head(head, val if val is not None else train, cfg)

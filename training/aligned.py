@@ -45,6 +45,7 @@ from training.draft_lm import check_traces
 from training.strategies import full_state_dict
 from training.traces import TraceShards
 from training.trainer import TraceDataModule, TrainerConfig, build_trainer
+from training.vocab import frequent_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -93,24 +94,6 @@ class TrainAlignedConfig(TrainerConfig):
             raise ValueError(f"train_aligned.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}.")
         if self.feature_weight < 0 or not 0 < self.step_decay <= 1:
             raise ValueError("train_aligned: feature_weight must be >= 0 and step_decay in (0, 1].")
-
-
-def draft_vocabulary(counts: torch.Tensor, size: int, always: set[int]) -> torch.Tensor:
-    """The `size` most frequent token ids (ties: lower id first) including `always`, ascending [size]."""
-    if size > counts.numel():
-        raise ValueError(f"draft_vocab_size {size} exceeds the target's vocabulary ({counts.numel()}).")
-    if len(always) > size:
-        raise ValueError(f"draft_vocab_size {size} cannot hold the {len(always)} EOS tokens.")
-    order = sorted(range(counts.numel()), key=lambda t: (t not in always, -int(counts[t]), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
-
-
-def response_token_counts(shards: TraceShards, vocab_size: int) -> torch.Tensor:
-    """How often each target id occurs as a response token (what the head learns to predict) [V]."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for item in (shards[i] for i in range(len(shards))):
-        counts += torch.bincount(item["input_ids"][item["loss_mask"]], minlength=vocab_size)
-    return counts
 
 
 class AlignedDataset(Dataset):
@@ -244,12 +227,11 @@ def build_head(target: Target, cfg: TrainAlignedConfig, train: TraceShards) -> t
     head = AlignedHead(head_config(target, cfg, layers))
     if head.lm_head is None:
         return head, 1.0
-    counts = response_token_counts(train, target.vocab_size)
-    ids = draft_vocabulary(counts, head.config.draft_vocab_size, target.eos_token_ids)
+    ids, coverage = frequent_vocabulary(train, head.config.draft_vocab_size, target)
     head.set_draft_vocab(ids)
     with torch.no_grad():
         head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[ids].float())
-    return head, float(counts[ids].sum() / counts.sum().clamp_min(1))
+    return head, coverage
 
 
 def train_aligned(cfg: TrainAlignedConfig, target: Target, traces_dir: Path | str,

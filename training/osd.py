@@ -34,8 +34,16 @@ from pytorch_lightning.loggers import Logger
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from serving.drafters.draft_lm import load_draft_vocab
 from serving.target import Target, TargetFingerprint
-from training.draft_lm import DISTILL_FIELDS, DistillDataset, DraftDistillation, collate, save_draft
+from training.draft_lm import (
+    DISTILL_FIELDS,
+    DistillDataset,
+    DraftDistillation,
+    collate,
+    draft_logits,
+    save_draft,
+)
 from training.losses import LOSSES
 from training.strategies import STRATEGIES, full_state_dict, make_strategy
 from training.traces import TraceShards, next_token_mask
@@ -134,22 +142,26 @@ class OSDConfig:
 
 @torch.inference_mode()
 def rejected_positions(draft: PreTrainedModel, input_ids: torch.Tensor, target_argmax: torch.Tensor,
-                       served: torch.Tensor) -> torch.Tensor:
+                       served: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
     """[T] bool: the served positions where greedy verification rejects the draft's proposal.
 
     input_ids [T]; target_argmax [T], the target's most likely token after each prefix (topk_ids[:, 0]);
     served [T], the rows whose next token the target generated. Row t predicts token t+1, and a
-    draft token there is accepted exactly when the draft's argmax equals the target's.
+    draft token there is accepted exactly when the draft's argmax equals the target's. `vocab`: the
+    draft vocabulary the draft proposes from, if it has one.
     """
-    logits = draft(input_ids=input_ids[None]).logits[0]  # [T, V]
-    return served & (logits.argmax(-1) != target_argmax)
+    proposal = draft_logits(draft, input_ids[None], vocab=vocab)[0].argmax(-1)  # [T]
+    if vocab is not None:
+        proposal = vocab[proposal]
+    return served & (proposal != target_argmax)
 
 
 class ServedSequences(Dataset):
     """The window's training sequences, each with its distillation mask (every served position, or
     only the rejected ones) and replay=False."""
 
-    def __init__(self, split_dir: Path, draft: PreTrainedModel, focus: str, max_seq_len: int) -> None:
+    def __init__(self, split_dir: Path, draft: PreTrainedModel, focus: str, max_seq_len: int,
+                 vocab: torch.Tensor | None = None) -> None:
         self.shards = TraceShards(split_dir, fields=DISTILL_FIELDS)
         self.max_seq_len = max_seq_len
         self.served_positions = 0
@@ -159,7 +171,7 @@ class ServedSequences(Dataset):
             item = self._item(index)
             served = item["served"]
             mask = served if focus == "all" else rejected_positions(draft, item["input_ids"], item["topk_ids"][:, 0],
-                                                                    served)
+                                                                    served, vocab)
             self.served_positions += int(served.sum())
             if mask.any():  # a sequence with nothing to learn would only cost a forward pass
                 self.masks.append((index, mask))
@@ -209,15 +221,16 @@ class OSDDistillation(DraftDistillation):
     """DraftDistillation whose loss is mean(served positions) + replay_weight * mean(replay positions),
     so the served mistakes keep their weight however many replay positions a batch holds."""
 
-    def __init__(self, draft: PreTrainedModel, loss: str, lr: float, replay_weight: float) -> None:
-        super().__init__(draft, loss, lr, weight_decay=0.0)
+    def __init__(self, draft: PreTrainedModel, loss: str, lr: float, replay_weight: float,
+                 vocab: torch.Tensor | None = None) -> None:
+        super().__init__(draft, loss, lr, weight_decay=0.0, vocab=vocab)
         self.replay_weight = replay_weight
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        logits = draft_logits(self.draft, batch["input_ids"], batch["attention_mask"], self.vocab)
         replay = batch["replay"][:, None]  # [B, 1], broadcast over positions
-        served = self.loss_fn(logits, batch["topk_ids"], batch["topk_logprobs"], batch["mask"] & ~replay)
-        kept = self.loss_fn(logits, batch["topk_ids"], batch["topk_logprobs"], batch["mask"] & replay)
+        served = self.divergence(logits, batch, batch["mask"] & ~replay)
+        kept = self.divergence(logits, batch, batch["mask"] & replay)
         self.log_dict({"train/served_loss": served, "train/replay_loss": kept}, batch_size=len(replay))
         return served + self.replay_weight * kept
 
@@ -249,7 +262,11 @@ def osd_distill(cfg: OSDConfig, target: Target, parent_dir: Path, served_dir: Pa
     check_target(served_dir, target)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     draft = load_parent(parent_dir, cfg.train_embeddings)
-    served = ServedSequences(served_dir, draft, cfg.focus, cfg.max_seq_len)
+    vocab = load_draft_vocab(parent_dir)  # the child drafts from the parent's vocabulary
+    if vocab is not None and cfg.loss != "forward_kl":
+        raise ValueError(f"The parent draft in {parent_dir} has a draft vocabulary, which trains with forward_kl; "
+                         f"osd.loss is '{cfg.loss}'.")
+    served = ServedSequences(served_dir, draft, cfg.focus, cfg.max_seq_len, vocab)
     if not len(served):
         raise ValueError(f"The parent draft already agrees with the target on every served position in "
                          f"{served_dir}: nothing to distill (focus '{cfg.focus}').")
@@ -266,7 +283,7 @@ def osd_distill(cfg: OSDConfig, target: Target, parent_dir: Path, served_dir: Pa
     draft.train()  # from_pretrained and the mask pass left it in eval mode; Lightning keeps modules' modes
     loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate_mixed,
                         generator=torch.Generator().manual_seed(cfg.seed))
-    module = OSDDistillation(draft, cfg.loss, cfg.lr, cfg.replay_weight)
+    module = OSDDistillation(draft, cfg.loss, cfg.lr, cfg.replay_weight, vocab)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name, "parent": str(parent_dir)})
     trainer = pl.Trainer(
@@ -290,6 +307,6 @@ def osd_distill(cfg: OSDConfig, target: Target, parent_dir: Path, served_dir: Pa
     state = full_state_dict(draft, trainer.strategy)
     if trainer.is_global_zero:
         info = {"target": target.fingerprint.to_dict(), "parent": str(parent_dir), "osd": asdict(cfg), "report": report}
-        save_draft(state, draft, target, Path(cfg.out_dir), info)
+        save_draft(state, draft, target, Path(cfg.out_dir), info, vocab)
     log.info("osd: %s", report)
     return report

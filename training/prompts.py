@@ -46,7 +46,8 @@ class PrepareConfig:
     humaneval: bool = True
     """Add the 164 HumanEval prompts, keeping task_id, test and entry_point for a quality scorer."""
     user_files: list[str] = field(default_factory=list)
-    """User JSONL files; each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "answer"."""
+    """User JSONL files; each line {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "answer"
+    (reference for the exact_match scorer) and "reply" (teacher-forced by collect under responses: dataset)."""
     val_fraction: float = 0.05
     """Share of prompts in the validation split."""
     test_fraction: float = 0.05

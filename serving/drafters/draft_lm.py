@@ -2,11 +2,21 @@
 
 With an acceptance head (SpecDec++, arXiv 2405.19715) it can end a draft early: `propose` then
 scores each drafted token and asks a `stop` rule whether to go on.
+
+With a draft vocabulary (FR-Spec, arXiv 2502.14856; train_draft.draft_vocab_size) the draft proposes
+only the N most frequent tokens of its training data: its LM head runs on those N rows. On a CPU the
+full 49k-row head of a SmolLM2-sized draft is most of a draft step. The other tokens get logit -inf, so
+q is still a distribution over the target's vocabulary and every verifier stays lossless. The model
+folder keeps the full head, so Hugging Face code (assisted generation) loads it unchanged.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from serving.acceptance_head import AcceptanceHead
@@ -15,15 +25,36 @@ from serving.kv import CachedLM
 from serving.sampling import logits_to_probs, sample
 from serving.types import SamplingParams
 
+VOCAB_FILE = "draft_vocab.safetensors"
+
 
 class VocabularyMismatchError(ValueError):
     pass
 
 
+def save_draft_vocab(out_dir: Path, vocab: torch.Tensor) -> None:
+    save_file({"draft_to_target": vocab.to(torch.int64).contiguous()}, str(out_dir / VOCAB_FILE))
+
+
+def load_draft_vocab(model_dir: Path | str) -> torch.Tensor | None:
+    """The target ids a draft may propose (ascending [N]), or None when it drafts over the whole vocabulary."""
+    path = Path(model_dir) / VOCAB_FILE
+    return load_file(str(path))["draft_to_target"] if path.is_file() else None
+
+
+def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [..., H], the LM head's rows for the draft vocabulary [N, H] -> logits [..., vocab_size],
+    -inf outside the draft vocabulary."""
+    logits = hidden.new_full((*hidden.shape[:-1], vocab_size), float("-inf"))
+    logits[..., vocab] = F.linear(hidden, head_rows)
+    return logits
+
+
 class DraftLMDrafter:
     name = "draft-lm"
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int, head: AcceptanceHead | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int, head: AcceptanceHead | None = None,
+                 vocab: torch.Tensor | None = None) -> None:
         draft_vocab = model.get_output_embeddings().weight.shape[0]
         if draft_vocab != target_vocab_size:
             raise VocabularyMismatchError(
@@ -32,8 +63,12 @@ class DraftLMDrafter:
         if head is not None and head.config.hidden_size != model.config.hidden_size:
             raise ValueError(f"The acceptance head reads hidden states of size {head.config.hidden_size} but the "
                              f"draft model's are {model.config.hidden_size}: it was trained for another draft.")
+        if vocab is not None and (vocab.numel() == 0 or int(vocab.max()) >= target_vocab_size):
+            raise VocabularyMismatchError(f"The draft vocabulary must be non-empty target ids below {target_vocab_size}.")
         self.model = model.eval()
         self.head = head.eval() if head is not None else None
+        self.vocab, self.vocab_size = vocab, target_vocab_size
+        self.head_rows = model.get_output_embeddings().weight[vocab].detach() if vocab is not None else None
         self.lm = CachedLM(self.model)
         self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache
 
@@ -61,6 +96,9 @@ class DraftLMDrafter:
 
     def _forward_last(self, feed: list[int], with_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [V] at the last fed token and, if asked (for the acceptance head), its hidden state [H]."""
+        if self.vocab is not None:
+            hidden = self.lm.forward_final_hidden(feed)[-1]
+            return vocab_logits(hidden, self.head_rows, self.vocab, self.vocab_size), hidden
         if not with_hidden:
             return self.lm.forward(feed)[-1], None
         logits, hidden = self.lm.forward_hidden(feed)

@@ -19,11 +19,11 @@ from training.aligned import (
     TrainAlignedConfig,
     build_head,
     collate,
-    draft_vocabulary,
     train_aligned,
 )
 from training.collect import collect
 from training.traces import TraceShards
+from training.vocab import draft_vocabulary
 
 
 def test_draft_vocabulary_takes_the_most_frequent_tokens_and_the_eos():

@@ -82,3 +82,28 @@ def test_replay_traces_must_share_the_served_top_k(fitted, osd_assets):
     with pytest.raises(ValueError, match="must match"):
         osd_distill(replace(cfg, out_dir=str(folder / "unused")), target, osd_assets["root"] / "parent",
                     folder / "served", folder / "replay_k4")
+
+
+def test_a_parent_with_a_draft_vocabulary_passes_it_on(fitted, osd_assets, tmp_path):
+    import shutil
+
+    from serving.drafters.draft_lm import load_draft_vocab, save_draft_vocab
+
+    cfg, _, folder = fitted
+    parent = tmp_path / "parent"
+    shutil.copytree(osd_assets["root"] / "parent", parent)
+    vocab = torch.arange(0, osd_assets["target"].vocab_size, 2)
+    save_draft_vocab(parent, vocab)
+    # The mask pass proposes from the vocabulary too: a token outside it is never the draft's proposal.
+    trace = load_file(next((folder / "served").glob("shard-*.safetensors")))
+    ids, top = trace["input_ids"][:20].long(), trace["topk_ids"][:20, 0].long()
+    served = torch.ones(20, dtype=torch.bool)
+    odd_target = top % 2 == 1
+    assert rejected_positions(load_parent(parent, False), ids, top, served, vocab)[odd_target].all()
+    with pytest.raises(ValueError, match="forward_kl"):
+        osd_distill(replace(cfg, loss="tvd", out_dir=str(tmp_path / "unused")), osd_assets["target"], parent,
+                    folder / "served", folder / "replay")
+    report = osd_distill(replace(cfg, out_dir=str(tmp_path / "child")), osd_assets["target"], parent,
+                         folder / "served", folder / "replay")
+    assert torch.isfinite(torch.tensor(report["final_loss"]))
+    assert torch.equal(load_draft_vocab(tmp_path / "child"), vocab)

@@ -65,3 +65,24 @@ def test_recycling_learns_and_accepts(target):
     again = generator.generate(prompt, 40)
     assert again.stats.accepted > 0
     assert again.stats.mean_accepted_length > 1.0
+
+
+def test_reduced_vocabulary_draft_proposes_only_its_tokens_and_stays_lossless(target):
+    from serving.sampling import logits_to_probs
+    from serving.types import SamplingParams
+
+    vocab = torch.arange(0, target.vocab_size, 3)  # every third token
+    drafter = DraftLMDrafter(target.model, target.vocab_size, vocab=vocab)
+    prompt = PROMPTS[2]
+    full = target.model(torch.tensor([prompt])).logits[0, -1]
+    restricted = torch.full_like(full, float("-inf"))
+    restricted[vocab] = full[vocab]
+    assert drafter.propose(prompt, 1, SamplingParams(), None).tokens == [int(restricted.argmax())]
+    drafter.reset()
+    sampling = SamplingParams(temperature=1.0)
+    q = drafter.propose(prompt, 1, sampling, torch.Generator().manual_seed(0)).q[0]
+    torch.testing.assert_close(q, logits_to_probs(restricted, sampling))
+    assert q[1::3].sum() == 0 and q[2::3].sum() == 0
+    generator = SpeculativeGenerator(target, DraftLMDrafter(target.model, target.vocab_size, vocab=vocab), draft_tokens=4)
+    for prompt in PROMPTS:
+        assert generator.generate(prompt, 30).token_ids == reference(target.model, prompt, 30)

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from serving.target import encode_prompt
-from tests.training.conftest import LAYERS, collect_config
+from tests.training.conftest import LAYERS, collect_config, write_jsonl
 from training import collect as collect_module
 from training.collect import CollectConfig, collect
 from training.traces import MANIFEST, TraceShards, hf_hidden_index, next_token_mask, resolve_layers
@@ -99,7 +99,7 @@ def counting_backend(seen: list[str]):
 
     def backend(target, prompts, cfg):
         prompts = list(prompts)
-        seen.extend(pid for pid, _ in prompts)
+        seen.extend(prompt.id for prompt in prompts)
         yield from real(target, prompts, cfg)
 
     return backend
@@ -164,3 +164,29 @@ def test_unknown_backend_and_bad_settings_are_clear_errors():
         CollectConfig(splits=["dev"])
     with pytest.raises(ValueError, match="logprobs_dtype"):
         CollectConfig(logprobs_dtype="bfloat16")
+
+
+def test_dataset_responses_teacher_force_the_reply_and_regenerate_the_rest(tmp_path, tiny_target, chat_tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "say hi"}], "reply": "hello there, friend"},
+            {"messages": [{"role": "user", "content": "no answer"}]}]
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    write_jsonl(prompts / "train.jsonl", [{"id": f"{i:064x}", **row} for i, row in enumerate(rows, 1)])
+    collect(collect_config(tmp_path / "traces", splits=["train"], responses="dataset", max_new_tokens=8), tiny_target, prompts)
+    traces = TraceShards(tmp_path / "traces" / "train")
+    answered, regenerated = traces[0], traces[1]
+    n = len(encode_prompt(chat_tokenizer, rows[0]["messages"]))
+    # The reply's first 8 tokens, teacher-forced; the mask marks them as the response.
+    assert answered["input_ids"][n:].tolist() == chat_tokenizer("hello there, friend").input_ids[:8]
+    assert answered["loss_mask"].sum() == 8
+    prompt = encode_prompt(chat_tokenizer, rows[1]["messages"])
+    expected = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    assert regenerated["input_ids"][len(prompt):].tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="responses"):
+        collect_config(tmp_path, responses="human")
+
+
+def test_a_short_reply_ends_with_the_end_of_turn_token(tiny_target, chat_tokenizer):
+    ids = collect_module.reply_ids(tiny_target, "ok")
+    assert ids == chat_tokenizer("ok").input_ids + [chat_tokenizer.eos_token_id]
+    assert collect_module.reply_ids(tiny_target, None) is None

@@ -151,3 +151,35 @@ def test_truncated_draft_with_frozen_embeddings_trains_only_its_layers(tmp_path,
         moved = not torch.equal(start[name], tensor)
         assert moved == (name not in frozen), name
     torch.testing.assert_close(trained["lm_head.weight"], tiny_target.model.lm_head.weight)
+
+
+def test_reduced_vocabulary_draft_trains_only_its_rows_and_saves_them(tmp_path, tiny_target, traces_dir):
+    from serving.drafters.draft_lm import load_draft_vocab
+    from training.traces import TraceShards
+    from training.vocab import frequent_vocabulary
+
+    cfg = fit_config(tmp_path / "draft", init_layers_from_target=True, draft_vocab_size=4)
+    report = train_draft(cfg, tiny_target, traces_dir)
+    assert math.isfinite(report["final_loss"]) and report["draft_vocab_size"] == 4
+    vocab = load_draft_vocab(tmp_path / "draft")
+    expected, coverage = frequent_vocabulary(TraceShards(traces_dir / "train"), 4, tiny_target)
+    assert torch.equal(vocab, expected) and report["draft_vocab_coverage"] == round(coverage, 4) < 1
+    head = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").lm_head.weight
+    start = tiny_target.model.lm_head.weight
+    outside = torch.ones(len(head), dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.equal(head[outside], start[outside])  # rows the draft never proposes get no gradient
+    assert not torch.equal(head[vocab], start[vocab])
+    # A full-vocabulary run into the same folder removes the stale vocabulary.
+    train_draft(fit_config(tmp_path / "draft", init_layers_from_target=True), tiny_target, traces_dir)
+    assert load_draft_vocab(tmp_path / "draft") is None
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"draft_vocab_size": 8, "loss": "tvd"}, "forward_kl"),
+    ({"draft_vocab_size": 8, "strategy": "deepspeed_stage_3"}, "shards"),
+    ({"draft_vocab_size": 0}, ">= 1"),
+])
+def test_reduced_vocabulary_settings_are_checked(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        fit_config(Path("unused"), **overrides)

@@ -97,10 +97,12 @@ def test_malformed_rows_are_counted_per_reason(tmp_path, chat_tokenizer):
 
 def test_user_rows_of_both_kinds_keep_their_extras(tmp_path, chat_tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    path = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "Say hi.", "answer": "hi"}, {"messages": messages}])
+    path = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "Say hi.", "answer": "hi", "reply": "Hi!"},
+                                                       {"messages": messages}])
     prepare(user_config(tmp_path, [path], val_fraction=0.0, test_fraction=0.0), chat_tokenizer)
     rows = {row["messages"][-1]["content"]: row for row in read_split(tmp_path / "out", "train")}
     assert rows["Say hi."]["answer"] == "hi" and rows["Say hi."]["source"] == "user:u.jsonl"
+    assert rows["Say hi."]["reply"] == "Hi!" and "reply" not in rows["Name a colour."]
     assert rows["Name a colour."]["messages"] == messages
     expected = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rows["Name a colour."]["text"] == expected and expected.endswith("<|im_start|>assistant\n")
@@ -127,6 +129,8 @@ def test_sharegpt_first_human_turn_first_n_and_truncated_file(tmp_path, chat_tok
                      chat_tokenizer)
     contents = sorted(r["messages"][0]["content"] for s in SPLITS for r in read_split(tmp_path / "a", s))
     assert contents == ["first human", "second"]
+    replies = {r["messages"][0]["content"]: r.get("reply") for s in SPLITS for r in read_split(tmp_path / "a", s)}
+    assert replies == {"first human": None, "second": "answer"}  # only an assistant turn right after the prompt
     assert report.dropped["sharegpt"] == {"no human turn": 1, "empty text": 1}
     report = prepare(PrepareConfig(sharegpt_max=100, sharegpt_path=str(path), humaneval=False, out_dir=str(tmp_path / "b")),
                      chat_tokenizer)
@@ -150,6 +154,11 @@ def test_humaneval_rows_keep_their_tests(tmp_path, chat_tokenizer):
     row = next(r for r in rows if r["task_id"] == "HumanEval/0")
     assert row["entry_point"] == "has_close_elements" and "def check(candidate)" in row["test"]
     assert "def has_close_elements" in row["messages"][0]["content"]
+    # The canonical solution as a reply: the completed function, which the tests pass.
+    code = row["reply"].removeprefix("```python\n").removesuffix("```")
+    namespace: dict = {}
+    exec(code + "\n" + row["test"], namespace)  # noqa: S102 - HumanEval's own canonical code and tests
+    namespace["check"](namespace[row["entry_point"]])
 
 
 def test_config_comes_from_params_and_rejects_bad_values():
