@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from serving.sampling import expand_draft_vocab
+
 KIND = "aligned_head"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -326,8 +328,7 @@ class AlignedHead(nn.Module):
         """Draft-vocabulary logits [..., N] -> target-vocabulary logits [..., V], -inf outside the draft vocabulary."""
         if self.lm_head is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_to_target, logits)
+        return expand_draft_vocab(logits, self.draft_to_target, self.config.target_vocab_size)
 
 
 def save_head(head: AlignedHead, out_dir: Path | str) -> Path:

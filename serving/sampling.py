@@ -30,6 +30,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return scores.softmax(-1)
 
 
+def expand_draft_vocab(logits: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits [..., N] (column i is target id draft_to_target[i]) -> [..., vocab_size], -inf
+    elsewhere: a drafter over a reduced vocabulary gives the other tokens probability 0, so q stays a
+    distribution over the target's vocabulary and every verifier stays lossless."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy(-1, draft_to_target, logits)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a distribution [V]."""
     return int(torch.multinomial(probs, 1, generator=generator))

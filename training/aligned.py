@@ -45,7 +45,7 @@ from training.draft_lm import check_traces
 from training.strategies import full_state_dict
 from training.traces import TraceShards
 from training.trainer import TraceDataModule, TrainerConfig, build_trainer
-from training.vocab import frequent_vocabulary
+from training.vocab import frequent_vocabulary, target_to_draft
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +150,7 @@ class AlignedTraining(pl.LightningModule):
         self.register_buffer("target_lm_head", None if target_lm_head is None else target_lm_head.detach().float(),
                              persistent=False)
         vocab = head.config.target_vocab_size
-        to_draft = torch.arange(vocab)
-        if head.draft_to_target is not None:
-            to_draft = torch.full((vocab,), -1, dtype=torch.long)
-            to_draft[head.draft_to_target] = torch.arange(head.config.draft_vocab_size)
+        to_draft = torch.arange(vocab) if head.draft_to_target is None else target_to_draft(head.draft_to_target, vocab)
         self.register_buffer("target_to_draft", to_draft, persistent=False)  # [V]: draft id or -1
 
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

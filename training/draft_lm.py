@@ -47,7 +47,7 @@ from training.losses import LOSSES
 from training.strategies import full_state_dict
 from training.traces import TraceShards, next_token_mask
 from training.trainer import TraceDataModule, TrainerConfig, build_trainer
-from training.vocab import frequent_vocabulary
+from training.vocab import frequent_vocabulary, target_to_draft
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +205,7 @@ class DraftDistillation(pl.LightningModule):
         self.lr, self.weight_decay = lr, weight_decay
         self.vocab = vocab
         if vocab is not None:
-            to_draft = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-            to_draft[vocab] = torch.arange(len(vocab))
-            self.register_buffer("to_draft", to_draft, persistent=False)
+            self.register_buffer("to_draft", target_to_draft(vocab, draft.config.vocab_size), persistent=False)
 
     def divergence(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """The loss at the `mask` positions, from `draft_logits` of the batch."""

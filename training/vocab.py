@@ -30,6 +30,13 @@ def response_token_counts(shards: TraceShards, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def target_to_draft(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] long: each target id's draft id, or -1 outside the draft vocabulary (the inverse of draft_to_target [N])."""
+    inverse = torch.full((vocab_size,), -1, dtype=torch.long)
+    inverse[draft_to_target] = torch.arange(len(draft_to_target))
+    return inverse
+
+
 def frequent_vocabulary(shards: TraceShards, size: int, target: Target) -> tuple[torch.Tensor, float]:
     """The `size` most frequent response tokens of `shards` plus the target's EOS ids (ascending [size]),
     and the fraction of response tokens they cover."""

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from serving.acceptance_head import AcceptanceHead
 from serving.drafters.base import Draft, TokenStop
 from serving.kv import CachedLM
-from serving.sampling import logits_to_probs, sample
+from serving.sampling import expand_draft_vocab, logits_to_probs, sample
 from serving.types import SamplingParams
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -45,9 +45,7 @@ def load_draft_vocab(model_dir: Path | str) -> torch.Tensor | None:
 def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """hidden [..., H], the LM head's rows for the draft vocabulary [N, H] -> logits [..., vocab_size],
     -inf outside the draft vocabulary."""
-    logits = hidden.new_full((*hidden.shape[:-1], vocab_size), float("-inf"))
-    logits[..., vocab] = F.linear(hidden, head_rows)
-    return logits
+    return expand_draft_vocab(F.linear(hidden, head_rows), vocab, vocab_size)
 
 
 class DraftLMDrafter:
