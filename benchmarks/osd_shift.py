@@ -83,17 +83,19 @@ def project_params(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "model_name": MODEL},
         "prepare": {"sharegpt_max": 4 * args.setup_prompts, "humaneval": False, "test_fraction": 0.1,
                     "max_prompt_tokens": 256},
-        "collect": {"max_new_tokens": args.max_tokens, "top_k_logits": 32, "hidden_layers": [], "shard_size": 16,
-                    "splits": ["train"], "max_prompts_per_split": args.setup_prompts},
+        # As the quickstart: ShareGPT's own replies teacher-forced, an 8k-token draft vocabulary.
+        "collect": {"responses": "dataset", "max_new_tokens": 128, "top_k_logits": 32, "hidden_layers": [],
+                    "shard_size": 16, "splits": ["train"], "max_prompts_per_split": args.setup_prompts},
         "train_draft": {"init_layers_from_target": True, "num_layers": 2, "train_embeddings": False,
-                        "epochs": args.setup_epochs, "batch_size": 8, "max_seq_len": 384, "accelerator": "cpu"},
+                        "draft_vocab_size": 8192, "lr": 1e-3, "epochs": args.setup_epochs, "batch_size": 8,
+                        "max_seq_len": 384, "accelerator": "cpu"},
         "evaluate": {"split": "test"},
         "register": {"experiment": "osd-shift", "artifact_root": str(workdir / "mlartifacts")},
         # Gate on the deterministic acceptance length by default: wall-clock speed on a shared 2-core
         # machine jitters by more than the gate's tolerance.
         "promote": {"gate": {"metric": args.gate_metric}},
         "osd": {"min_rows": 8, "accelerator": "cpu", "eval_prompts": args.eval_prompts,
-                "eval_max_new_tokens": args.max_tokens, "epochs": args.osd_epochs},
+                "eval_max_new_tokens": args.max_tokens, "epochs": args.osd_epochs, "lr": args.osd_lr},
     }
 
 
@@ -260,9 +262,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests-before", type=int, default=24, help="code prompts served before the retrain")
     parser.add_argument("--requests-after", type=int, default=16, help="fresh code prompts served after it")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (and per traced response)")
-    parser.add_argument("--setup-prompts", type=int, default=32, help="ShareGPT prompts the first draft learns from")
+    parser.add_argument("--setup-prompts", type=int, default=400, help="ShareGPT prompts the first draft learns from")
     parser.add_argument("--setup-epochs", type=int, default=2, help="train_draft epochs of the first draft")
     parser.add_argument("--osd-epochs", type=int, default=3, help="epochs of the OSD round (osd.epochs)")
+    parser.add_argument("--osd-lr", type=float, default=1e-3, help="learning rate of the OSD round (osd.lr)")
     parser.add_argument("--eval-prompts", type=int, default=6, help="prompts per slice in the retrain's evaluation")
     parser.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft LM proposes per step")
     parser.add_argument("--gate-metric", default="mean_accepted_length",

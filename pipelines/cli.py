@@ -109,7 +109,7 @@ def _add_aligned_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance-head", help="folder of a SpecDec++ acceptance head trained for --draft-model "
-                        "(specops stage train_acceptance); needed by the specdecpp policy")
+                        "(specops stage train_acceptance); needed by the specdecpp and goodput_head policies")
     parser.add_argument("--stop-threshold", type=float, default=None,
                         help="specdecpp: end a draft once P(some drafted token is rejected) exceeds this "
                              "(default: DecodingConfig's); higher drafts longer")
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="our methods: none, prompt-lookup, recycling, draft-lm, each optionally with @SIZE "
                             "(recycling tree nodes or chain draft tokens), e.g. recycling@8 recycling@16 draft-lm@4; "
                             "prompt-lookup and draft-lm also take +POLICY (" + ", ".join(POLICIES) + "), e.g. "
-                            "draft-lm+specdecpp@8 draft-lm+goodput draft-lm+heuristic")
+                            "draft-lm+specdecpp@8 draft-lm+goodput_head@8 draft-lm+goodput draft-lm+heuristic")
     bench.add_argument("--draft-tokens", type=int, default=6)
     bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
     _add_aligned_args(bench)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from serving.arbitrage import ArbitrageGenerator
 from serving.benchmark import environment, merge_stats
-from serving.drafters.draft_lm import DraftLMDrafter
+from serving.drafters.draft_lm import DraftLMDrafter, load_draft_vocab
 from serving.factory import load_draft_model
 from serving.greedy_lm import GreedyLM
 from serving.lossy import LossyModels
@@ -103,8 +103,9 @@ def build_methods(cfg: LossyEvalConfig, target: Target, draft_model: Any, lossy:
     """AR first: its reply is every other method's reference."""
     m = cfg.max_new_tokens
     methods = {AR: _ar(target, m),
-               LOSSLESS: _ours(SpeculativeGenerator(target, DraftLMDrafter(draft_model, target.vocab_size), "greedy",
-                                                    cfg.draft_tokens), m)}
+               LOSSLESS: _ours(SpeculativeGenerator(target, DraftLMDrafter(draft_model, target.vocab_size,
+                                                                           vocab=lossy.draft_vocab),
+                                                    "greedy", cfg.draft_tokens), m)}
     for t in cfg.autojudge_thresholds:
         methods[f"autojudge@{t:g}"] = _ours(lossy.generator("autojudge", t, cfg.draft_tokens), m)
     for t in cfg.arbitrage_thresholds:
@@ -112,7 +113,7 @@ def build_methods(cfg: LossyEvalConfig, target: Target, draft_model: Any, lossy:
     if oracle is not None:
         steps = lossy.router("arbitrage").config.extra
         generator = ArbitrageGenerator(target, draft_model, oracle, lossy.boundaries(steps["delimiter"]),
-                                       steps["max_step_tokens"])
+                                       steps["max_step_tokens"], lossy.draft_vocab)
         methods[ORACLE] = _ours(generator, m)
     return methods
 
@@ -129,8 +130,8 @@ def lossy_eval(cfg: LossyEvalConfig, target: Target, prompts_file: Path, draft_d
     """Run every method on the prompts, score the replies, return the report (see the module docstring)."""
     rows = read_rows(prompts_file, cfg.scorer, cfg.n_prompts)
     dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
-    draft_model = load_draft_model(draft_dir, dtype)
-    lossy = LossyModels(target, draft_model, router_dir)
+    draft_model, vocab = load_draft_model(draft_dir, dtype), load_draft_vocab(draft_dir)
+    lossy = LossyModels(target, draft_model, router_dir, vocab)
     oracle = _oracle(cfg, target, lossy, oracle_margin) if cfg.oracle else None
     methods = build_methods(cfg, target, draft_model, lossy, oracle)
     prompts = [encode_prompt(target.tokenizer, row["messages"]) for row in rows]

@@ -221,7 +221,7 @@ def register(params: Params) -> None:
     from serving.acceptance_head import HEAD_COMPONENT
     from serving.benchmark import parse_method
     from serving.bundle import write_bundle
-    from serving.factory import ALIGNED_KINDS
+    from serving.factory import ALIGNED_KINDS, HEAD_POLICIES
     from serving.target import load_tokenizer
     from training.acceptance import TrainAcceptanceConfig
 
@@ -234,7 +234,7 @@ def register(params: Params) -> None:
     serving = {k: v for k, v in asdict(decoding).items() if k not in ("drafter", "extra")} | {"verifier": "auto"}
     models = trained_models(params)
     weights = {"draft-lm": models.draft_model, **{k: models.aligned_head for k in ALIGNED_KINDS}}.get(kind)
-    extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy == "specdecpp" else {}
+    extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
                           target_source=target_cfg.source, target_dtype=target_cfg.dtype, fingerprint=fingerprint,

@@ -83,11 +83,13 @@ class ArbitrageGenerator(SpeculativeGenerator):
     """Step-level draft/target arbitration (greedy decoding only)."""
 
     def __init__(self, target: Target, draft_model: PreTrainedModel, decision: StepDecision,
-                 boundaries: frozenset[int], max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS) -> None:
+                 boundaries: frozenset[int], max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+                 vocab: torch.Tensor | None = None) -> None:
+        """`vocab`: the draft's draft vocabulary, if it was trained with one (serving.drafters.draft_lm)."""
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         super().__init__(target, None, "greedy", 0)
-        self.draft = GreedyLM(draft_model)
+        self.draft = GreedyLM(draft_model, vocab)
         self.decision = decision
         self.stop = boundaries | self.eos  # a step also ends at the end of the text
         self.max_step_tokens = max_step_tokens

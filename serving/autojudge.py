@@ -53,8 +53,8 @@ class JudgeDrafter:
 
     name = "draft-lm"
 
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.runner = GreedyLM(model)
+    def __init__(self, model: PreTrainedModel, vocab: torch.Tensor | None = None) -> None:
+        self.runner = GreedyLM(model, vocab)
         self.hidden = torch.zeros(0, model.config.hidden_size)  # [k, H] of the last proposal
 
     def reset(self) -> None:
@@ -74,12 +74,13 @@ class JudgeGenerator(SpeculativeGenerator):
     """The speculative loop with AutoJudge verification (greedy decoding only)."""
 
     def __init__(self, target: Target, draft_model: PreTrainedModel, router: LinearRouter, threshold: float,
-                 draft_tokens: int = 5) -> None:
+                 draft_tokens: int = 5, vocab: torch.Tensor | None = None) -> None:
+        """`vocab`: the draft's draft vocabulary, if it was trained with one (serving.drafters.draft_lm)."""
         expected = draft_model.config.hidden_size + target.model.config.hidden_size
         if router.config.input_dim != expected:
             raise ValueError(f"The autojudge router reads {router.config.input_dim} features but this draft and "
                              f"target give {expected}: it was trained for other models.")
-        super().__init__(target, JudgeDrafter(draft_model), "greedy", draft_tokens)
+        super().__init__(target, JudgeDrafter(draft_model, vocab), "greedy", draft_tokens)
         self.router = router
         self.threshold = threshold
         self._generation: Generation | None = None  # the stream being served (one at a time, like the drafter)
@@ -104,6 +105,10 @@ class JudgeGenerator(SpeculativeGenerator):
         if bool(mismatch.any()):  # the classifier only runs when there is something to judge
             features = mismatch_features(self.drafter.hidden, hidden[1:])  # row i+1 holds x_i
             importance = self.router(features)
+            # A draft EOS where the target goes on would end the reply early: a change of length, not of
+            # wording, which the mined mismatches rarely show. No threshold accepts it (thresholds are finite).
+            ends = torch.tensor([t in self.eos for t in draft.tokens])
+            importance = importance.masked_fill(ends & mismatch, float("inf"))
         n, next_token = verify_judge(tokens, logits, importance, self.threshold)
         lm.crop(past + 1 + n)
         if self._generation is not None:

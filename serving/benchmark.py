@@ -19,7 +19,14 @@ import torch
 from tqdm import tqdm
 
 from serving.drafters.aligned import ALIGNED_KINDS
-from serving.factory import DRAFTER_KINDS, POLICY_DRAFTERS, DecodingConfig, build_drafter, build_policy
+from serving.factory import (
+    DRAFTER_KINDS,
+    HEAD_POLICIES,
+    POLICY_DRAFTERS,
+    DecodingConfig,
+    build_drafter,
+    build_policy,
+)
 from serving.policies import POLICIES
 from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt
@@ -43,7 +50,7 @@ class BenchConfig:
     draft_tokens: int = 6  # chain draft length when a method gives no @size
     draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
     aligned_head: str | None = None  # aligned head folder (models/aligned_head): needed by aligned_head[_tree]
-    acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp
+    acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp and +goodput_head
     stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
@@ -103,7 +110,7 @@ def build_methods(target: Target, cfg: BenchConfig,
         kind, config = parse_method(spec, cfg.draft_tokens)
         if cfg.stop_threshold is not None:
             config.stop_threshold = cfg.stop_threshold
-        head = cfg.acceptance_head if config.policy == "specdecpp" else None
+        head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
         weights = cfg.aligned_head if kind in ALIGNED_KINDS else cfg.draft_model
         drafter = build_drafter(kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)

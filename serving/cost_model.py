@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from serving.drafters.base import Drafter
 from serving.kv import CachedLM
+from serving.types import SamplingParams
+
+GREEDY = SamplingParams()
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)  # tokens per target pass to time; others are interpolated
 
@@ -58,32 +63,40 @@ def _ids(n: int) -> list[int]:
     return [(i % 50) + 10 for i in range(n)]
 
 
-def _median_forward_s(model: PreTrainedModel, context: list[int], tokens: list[int], repeats: int) -> float:
-    """Median seconds of one cached forward over `tokens` after `context` (cache rolled back each time)."""
-    lm = CachedLM(model)
-    lm.prefill(context)
-    lm.forward(tokens)  # warm-up: allocator and kernel selection for this shape
-    lm.crop(len(context))
+def _median_s(run: Callable[[], object], reset: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `run` (after one warm-up run: allocator and kernel selection), `reset` after each."""
+    run()
+    reset()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        lm.forward(tokens)
+        run()
         times.append(time.perf_counter() - start)
-        lm.crop(len(context))
+        reset()
     return statistics.median(times)
 
 
-def measure_cost_model(target: PreTrainedModel, draft: PreTrainedModel | None = None, context_tokens: int = 64,
+def measure_cost_model(target: PreTrainedModel, drafter: Drafter | None = None, context_tokens: int = 64,
                        sizes: tuple[int, ...] = VERIFY_SIZES, repeats: int = 5) -> CostModel:
-    """Time the target over each size in `sizes` and the draft over one token, after a shared context.
+    """Time the target's cached pass over each size in `sizes` and the drafter's step of one token,
+    after a shared context.
 
-    Medians of `repeats` runs, since other processes on a shared CPU add one-sided noise. The token
-    ids do not matter for timing; low ids exist in every vocabulary.
+    The drafter is timed through its own `propose`, so whatever one drafted token costs it (a reduced
+    draft vocabulary, an acceptance head) is what gets measured. Medians of `repeats` runs, since
+    other processes on a shared CPU add one-sided noise. The token ids do not matter for timing; low
+    ids exist in every vocabulary.
     """
     if context_tokens < 1 or repeats < 1:
         raise ValueError("context_tokens and repeats must be >= 1.")
     context = _ids(context_tokens)
     with torch.inference_mode():
-        verify = tuple((n, _median_forward_s(target, context, _ids(n), repeats)) for n in sizes)
-        draft_s = _median_forward_s(draft, context, _ids(1), repeats) if draft is not None else 0.0
+        lm = CachedLM(target)
+        lm.prefill(context)
+        verify = tuple((n, _median_s(lambda n=n: lm.forward(_ids(n)), lambda: lm.crop(context_tokens), repeats))
+                       for n in sizes)
+        draft_s = 0.0
+        if drafter is not None:
+            drafter.reset()
+            draft_s = _median_s(lambda: drafter.propose(context, 1, GREEDY, None), lambda: None, repeats)
+            drafter.reset()
     return CostModel(draft_token_s=draft_s, verify_s=verify)

@@ -21,6 +21,7 @@ from serving.policies import (
     DraftLengthPolicy,
     FixedPolicy,
     GoodputPolicy,
+    HeadGoodputPolicy,
     HeuristicPolicy,
     SpecDecPPPolicy,
 )
@@ -33,6 +34,7 @@ DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm") + A
 # Chain drafters whose length a draft length policy other than "fixed" may set (goodput's cost model
 # times the draft LM; prompt lookup costs next to nothing).
 POLICY_DRAFTERS = ("prompt-lookup", "draft-lm")
+HEAD_POLICIES = ("specdecpp", "goodput_head")  # policies reading the draft LM's acceptance head
 
 
 @dataclass
@@ -45,7 +47,7 @@ class DecodingConfig:
     prompt_lookup_max_ngram: int = 3
     recycling_nodes: int = 12  # size of the Token Recycling tree (tuned for a 2-core CPU by sweep)
     # Draft length policy, one of POLICIES (serving/policies.py): fixed drafts draft_tokens every step;
-    # heuristic starts there; specdecpp and goodput never draft more than draft_tokens.
+    # heuristic starts there; specdecpp, goodput and goodput_head never draft more than draft_tokens.
     policy: str = "fixed"
     # specdecpp: end a draft once P(some drafted token is rejected) exceeds this. Higher drafts longer.
     stop_threshold: float = 0.5
@@ -111,13 +113,13 @@ def build_policy(config: DecodingConfig, target: Target, drafter: Drafter | None
                          f"not of the '{config.drafter}' drafter.")
     if name == "heuristic":
         return HeuristicPolicy(k)
+    if name in HEAD_POLICIES and not getattr(drafter, "predicts_acceptance", False):
+        raise ValueError(f"The {name} policy needs the draft-lm drafter with an acceptance head "
+                         f"(--acceptance-head PATH, or a bundle with an {HEAD_COMPONENT}/ folder).")
     if name == "specdecpp":
-        if not getattr(drafter, "predicts_acceptance", False):
-            raise ValueError("The specdecpp policy needs the draft-lm drafter with an acceptance head "
-                             f"(--acceptance-head PATH, or a bundle with an {HEAD_COMPONENT}/ folder).")
         return SpecDecPPPolicy(k, config.stop_threshold)
-    draft_model = drafter.model if isinstance(drafter, DraftLMDrafter) else None  # prompt lookup costs ~nothing
-    return GoodputPolicy(k, measure_cost_model(target.model, draft_model))
+    cost = measure_cost_model(target.model, drafter)
+    return HeadGoodputPolicy(k, cost) if name == "goodput_head" else GoodputPolicy(k, cost)
 
 
 def resolve_verifier(verifier: str, sampling: SamplingParams) -> str:
@@ -147,7 +149,7 @@ class TextGenerator:
                                  f"'{self.config.drafter}'.")
             if self.config.router_dir is None:
                 raise ValueError("The lossy modes need router_dir: the train_router stage's output folder.")
-            self._lossy = LossyModels(self.target, self.drafter.model, self.config.router_dir)
+            self._lossy = LossyModels(self.target, self.drafter.model, self.config.router_dir, self.drafter.vocab)
         return self._lossy
 
     def generator(self, sampling: SamplingParams, lossy_mode: str | None = None,

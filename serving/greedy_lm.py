@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from serving.drafters.draft_lm import draft_head
 from serving.kv import CachedLM
 
 
@@ -29,8 +30,10 @@ class GreedyRun:
 class GreedyLM:
     """A causal LM decoding greedily from whatever context it is given (batch 1)."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, vocab: torch.Tensor | None = None) -> None:
+        """`vocab`: a draft LM's draft vocabulary (serving.drafters.draft_lm), which it then decodes over."""
         self.model = model.eval()
+        self.head = draft_head(model, vocab)
         self.reset()
 
     def reset(self) -> None:
@@ -49,9 +52,9 @@ class GreedyLM:
 
     def _feed(self, feed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [V] and hidden state [H] at the last of the fed tokens."""
-        logits, hidden = self.lm.forward_hidden(feed)
+        hidden = self.lm.forward_final_hidden(feed)[-1]
         self.cached += feed
-        return logits[-1], hidden[-1]
+        return self.head(hidden), hidden
 
     @torch.inference_mode()
     def greedy(self, context: list[int], max_tokens: int, stop: Collection[int] = ()) -> GreedyRun:

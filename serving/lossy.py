@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel
 
 from serving.arbitrage import ArbitrageGenerator, RouterDecision, boundary_ids
@@ -31,9 +32,11 @@ def check_threshold(threshold: float) -> float:
 class LossyModels:
     """The routers of a router folder for one target and draft model, loaded on first use."""
 
-    def __init__(self, target: Target, draft_model: PreTrainedModel, router_dir: str | Path) -> None:
+    def __init__(self, target: Target, draft_model: PreTrainedModel, router_dir: str | Path,
+                 draft_vocab: torch.Tensor | None = None) -> None:
         self.target = target
         self.draft_model = draft_model
+        self.draft_vocab = draft_vocab
         self.router_dir = Path(router_dir)
         self._routers: dict[str, LinearRouter] = {}
         self._boundaries: dict[str, frozenset[int]] = {}
@@ -60,11 +63,11 @@ class LossyModels:
         router = self.router(mode)
         chosen = check_threshold(router.config.threshold if threshold is None else threshold)
         if mode == "autojudge":
-            return JudgeGenerator(self.target, self.draft_model, router, chosen, draft_tokens)
+            return JudgeGenerator(self.target, self.draft_model, router, chosen, draft_tokens, self.draft_vocab)
         width = 2 * self.draft_model.config.hidden_size + 2  # serving/arbitrage.py step_features
         if router.config.input_dim != width:
             raise RouterLoadError(f"The arbitrage router reads {router.config.input_dim} features but this draft "
                                   f"model gives {width}: it was trained with another draft.")
         steps = router.config.extra
         return ArbitrageGenerator(self.target, self.draft_model, RouterDecision(router, chosen),
-                                  self.boundaries(steps["delimiter"]), steps["max_step_tokens"])
+                                  self.boundaries(steps["delimiter"]), steps["max_step_tokens"], self.draft_vocab)

@@ -16,6 +16,15 @@ as the verifier it runs with. The loop asks `draft_length()` before each step an
   goodput    SmartSpec (Liu et al., arXiv 2406.14066): choose k maximizing goodput = expected tokens
              per step / predicted step time, from a running acceptance-rate estimate and a cost
              model measured at start-up (serving/cost_model.py).
+  goodput_head
+             SmartSpec's objective on SpecDec++'s per-token predictions: the acceptance head scores
+             each drafted token, drafting goes on while one more token (assumed as likely to pass as
+             the last) raises the step's expected goodput, and then only the prefix with the best
+             goodput is verified, which may be none of it (a plain decoding step). Unlike the two
+             above, it can decline to speculate where the draft is unlikely to be right, which is
+             where a weak draft loses time.
+
+A policy with a `trim` rule (goodput_head) also picks, after the draft, how many of its tokens to verify.
 """
 
 from __future__ import annotations
@@ -26,12 +35,13 @@ from typing import TYPE_CHECKING, Protocol
 # Annotations only: the CLI imports POLICIES to build its parser, which must stay free of torch.
 if TYPE_CHECKING:
     from serving.cost_model import CostModel
-    from serving.drafters.base import TokenStop
+    from serving.drafters.base import TokenStop, TokenTrim
 
 
 class DraftLengthPolicy(Protocol):
     name: str
     stop: TokenStop | None  # a per-token stop rule for drafters with an acceptance head, or None
+    trim: TokenTrim | None  # how many drafted tokens to verify, from their P(accept); None verifies all
 
     def reset(self) -> None:
         """A new request starts."""
@@ -51,6 +61,7 @@ def _check_length(name: str, k: int) -> None:
 class FixedPolicy:
     name = "fixed"
     stop = None
+    trim = None
 
     def __init__(self, k: int) -> None:
         if k < 0:
@@ -70,6 +81,7 @@ class FixedPolicy:
 class HeuristicPolicy:
     name = "heuristic"
     stop = None
+    trim = None
 
     def __init__(self, start: int) -> None:
         _check_length(self.name, start)
@@ -93,20 +105,15 @@ def rejection_probability(accept_probs: list[float]) -> float:
     return 1.0 - math.prod(accept_probs)
 
 
-class SpecDecPPPolicy:
-    name = "specdecpp"
+class _HeadPolicy:
+    """A policy that decides inside each draft from the acceptance head: it drafts up to max_tokens and
+    keeps no state between steps."""
 
-    def __init__(self, max_tokens: int, threshold: float) -> None:
+    name: str
+
+    def __init__(self, max_tokens: int) -> None:
         _check_length(self.name, max_tokens)
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"The specdecpp stop threshold must be in [0, 1], got {threshold}.")
         self.max_tokens = max_tokens
-        self.threshold = threshold
-        self.stop: TokenStop | None = self.should_stop
-
-    def should_stop(self, accept_probs: list[float]) -> bool:
-        """End the draft once P(some drafted token is rejected) exceeds the threshold."""
-        return rejection_probability(accept_probs) > self.threshold
 
     def reset(self) -> None:
         pass
@@ -116,6 +123,22 @@ class SpecDecPPPolicy:
 
     def update(self, drafted: int, accepted: int) -> None:
         pass
+
+
+class SpecDecPPPolicy(_HeadPolicy):
+    name = "specdecpp"
+    trim = None
+
+    def __init__(self, max_tokens: int, threshold: float) -> None:
+        super().__init__(max_tokens)
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"The specdecpp stop threshold must be in [0, 1], got {threshold}.")
+        self.threshold = threshold
+        self.stop: TokenStop | None = self.should_stop
+
+    def should_stop(self, accept_probs: list[float]) -> bool:
+        """End the draft once P(some drafted token is rejected) exceeds the threshold."""
+        return rejection_probability(accept_probs) > self.threshold
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -136,6 +159,7 @@ def best_draft_length(acceptance: float, cost: CostModel, max_tokens: int) -> in
 class GoodputPolicy:
     name = "goodput"
     stop = None
+    trim = None
 
     def __init__(self, max_tokens: int, cost: CostModel, prior_acceptance: float = 0.6, prior_tokens: float = 4.0,
                  decay: float = 0.95) -> None:
@@ -171,4 +195,43 @@ class GoodputPolicy:
         self.trials = self.decay * self.trials + accepted + int(accepted < drafted)
 
 
-POLICIES = {"fixed": FixedPolicy, "heuristic": HeuristicPolicy, "specdecpp": SpecDecPPPolicy, "goodput": GoodputPolicy}
+def prefix_goodput(accept_probs: list[float], cost: CostModel, drafted: int) -> list[float]:
+    """Expected goodput of verifying the first j drafted tokens, for j = 0..len(accept_probs).
+
+    Token i is committed when it and every token before it pass: probability prod_{l<=i} p_l, so j
+    verified tokens commit 1 + sum_{i<=j} prod_{l<=i} p_l tokens in expectation (the 1 is the target's
+    own token). The step took `drafted` draft forwards, whatever is verified, plus a target pass over
+    j + 1 tokens.
+    """
+    goodputs, expected, passing = [], 1.0, 1.0
+    for j in range(len(accept_probs) + 1):
+        if j:
+            passing *= accept_probs[j - 1]
+            expected += passing
+        goodputs.append(expected / (drafted * cost.draft_token_s + cost.verify_time(j + 1)))
+    return goodputs
+
+
+class HeadGoodputPolicy(_HeadPolicy):
+    name = "goodput_head"
+
+    def __init__(self, max_tokens: int, cost: CostModel) -> None:
+        super().__init__(max_tokens)
+        self.cost = cost
+        self.stop: TokenStop | None = self.should_stop
+        self.trim: TokenTrim | None = self.best_prefix
+
+    def should_stop(self, accept_probs: list[float]) -> bool:
+        """Stop unless one more token, passing as likely as the last one, would raise the best goodput."""
+        now = max(prefix_goodput(accept_probs, self.cost, len(accept_probs)))
+        longer = accept_probs + [accept_probs[-1]]
+        return max(prefix_goodput(longer, self.cost, len(longer))) <= now
+
+    def best_prefix(self, accept_probs: list[float]) -> int:
+        """How many of the drafted tokens to verify: the prefix of best expected goodput (the shortest on ties)."""
+        goodputs = prefix_goodput(accept_probs, self.cost, len(accept_probs))
+        return goodputs.index(max(goodputs))
+
+
+POLICIES = {"fixed": FixedPolicy, "heuristic": HeuristicPolicy, "specdecpp": SpecDecPPPolicy, "goodput": GoodputPolicy,
+            "goodput_head": HeadGoodputPolicy}

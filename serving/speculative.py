@@ -103,6 +103,8 @@ class SpeculativeGenerator:
                 k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
                 tick = time.perf_counter()
                 draft = self._propose(context, k, sampling, generator)
+                if self.policy.trim is not None and draft.accept_probs:
+                    draft = draft.prefix(self.policy.trim(draft.accept_probs))
                 tock = time.perf_counter()
                 accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)
                 stats.draft_s += tock - tick

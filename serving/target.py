@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from serving.assets import smollm2_gguf
+from serving.small_batch_linear import use_small_batch_linear
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -145,8 +146,12 @@ def _fix(gguf: str | None) -> str:
     return "The folder may be incomplete or corrupt: re-export it with save_pretrained."
 
 
-def load_target(source: str = DEFAULT_TARGET, dtype: str = "float32") -> Target:
-    """Load a target offline. `dtype` is float32 or bfloat16; losslessness is defined within that dtype."""
+def load_target(source: str = DEFAULT_TARGET, dtype: str = "float32", small_batch_linear: bool = True) -> Target:
+    """Load a target offline. `dtype` is float32 or bfloat16; losslessness is defined within that dtype.
+
+    `small_batch_linear` swaps its float32 linear layers for serving.small_batch_linear's, which
+    verify a few draft tokens in about the time of one (see there); every method run on this
+    target, plain decoding included, gets them."""
     if dtype not in DTYPES:
         raise TargetLoadError(f"Unknown dtype '{dtype}'. Choose one of: {', '.join(DTYPES)}.")
     tokenizer, fingerprint = load_tokenizer(source)
@@ -157,6 +162,8 @@ def load_target(source: str = DEFAULT_TARGET, dtype: str = "float32") -> Target:
         raise TargetLoadError(f"Could not load the target from {_weight_files(folder, gguf)[0]}: {error}. "
                               f"{_fix(gguf)}") from error
     model.eval()
+    if small_batch_linear and dtype == "float32":
+        use_small_batch_linear(model)
     return Target(model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 

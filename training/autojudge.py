@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from serving.autojudge import mismatch_features
+from serving.drafters.draft_lm import draft_head
 from serving.greedy_lm import GreedyLM
 
 # (reply token ids, reference reply token ids) -> score in [0, 1] (training/scorers.py reply_scorer)
@@ -40,24 +41,25 @@ class Mismatch:
 
 
 @torch.inference_mode()
-def teacher_forced(model: PreTrainedModel, ids: list[int], start: int) -> tuple[list[int], torch.Tensor]:
-    """The model's greedy choice for each of ids[start:] given the tokens before it, and the last-layer
-    states that chose them [len(ids) - start, H]: one pass, no cache."""
-    out = model(torch.tensor([ids]), output_hidden_states=True)
-    rows = slice(start - 1, len(ids) - 1)
-    return out.logits[0, rows].argmax(-1).tolist(), out.hidden_states[-1][0, rows]
+def teacher_forced(model: PreTrainedModel, ids: list[int], start: int,
+                   vocab: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
+    """The model's greedy choice (over its draft vocabulary `vocab`, if any) for each of ids[start:]
+    given the tokens before it, and the last-layer states that chose them [len(ids) - start, H]: one
+    pass, no cache."""
+    hidden = model.base_model(torch.tensor([ids])).last_hidden_state[0, start - 1:len(ids) - 1]
+    return draft_head(model, vocab)(hidden).argmax(-1).tolist(), hidden
 
 
 def mine_mismatches(prompt_ids: list[int], reference: list[int], target: GreedyLM, draft_model: PreTrainedModel,
                     score: ReplyScorer, eos: Collection[int], max_new_tokens: int, margin: float,
-                    max_rollouts: int) -> list[Mismatch]:
+                    max_rollouts: int, vocab: torch.Tensor | None = None) -> list[Mismatch]:
     """Label up to max_rollouts mismatches of one prompt. `reference` is the target's greedy reply of at
     most max_new_tokens (ending early at EOS); swapped replies are completed to the same budget."""
     reference_score = score(reference, reference)
     reply = list(reference)
     found: list[Mismatch] = []
     position = 0
-    predicted, draft_hidden = teacher_forced(draft_model, prompt_ids + reply, len(prompt_ids))
+    predicted, draft_hidden = teacher_forced(draft_model, prompt_ids + reply, len(prompt_ids), vocab)
     while len(found) < max_rollouts:
         j = next((i for i in range(position, len(reply)) if predicted[i] != reply[i]), None)
         if j is None:
@@ -76,6 +78,6 @@ def mine_mismatches(prompt_ids: list[int], reference: list[int], target: GreedyL
         found.append(Mismatch(j, reply[j], predicted[j], important, reference_score, swapped_score, features))
         if not important:
             reply = swapped  # the draft's view of the new suffix changes; its prefix stays the same
-            predicted, draft_hidden = teacher_forced(draft_model, prompt_ids + reply, len(prompt_ids))
+            predicted, draft_hidden = teacher_forced(draft_model, prompt_ids + reply, len(prompt_ids), vocab)
         position = j + 1
     return found

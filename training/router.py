@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from serving.arbitrage import DEFAULT_DELIMITER, DEFAULT_MAX_STEP_TOKENS, boundary_ids
+from serving.drafters.draft_lm import load_draft_vocab
 from serving.factory import load_draft_model
 from serving.greedy_lm import GreedyLM
 from serving.router import RouterConfig
@@ -130,11 +131,11 @@ def fit_and_save(kind: str, features: torch.Tensor, labels: torch.Tensor, groups
 
 def train_router(cfg: TrainRouterConfig, target: Target, prompts_file: Path, draft_dir: Path) -> dict[str, Any]:
     dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
-    draft_model = load_draft_model(draft_dir, dtype)
+    draft_model, vocab = load_draft_model(draft_dir, dtype), load_draft_vocab(draft_dir)
     rows = read_rows(prompts_file, cfg.scorer, cfg.max_prompts)
     tokenizer, eos = target.tokenizer, target.eos_token_ids
     ctx = ScoringContext(target=target, timeout_s=cfg.timeout_s)
-    target_lm, draft_lm = GreedyLM(target.model), GreedyLM(draft_model)
+    target_lm, draft_lm = GreedyLM(target.model), GreedyLM(draft_model, vocab)
     oracle = StepOracle(target_lm, boundary_ids(tokenizer, cfg.step_delimiter), eos, cfg.max_new_tokens,
                         cfg.max_step_tokens, cfg.margin)
     judge: dict[str, list] = {"features": [], "labels": [], "groups": [], "details": []}
@@ -151,7 +152,7 @@ def train_router(cfg: TrainRouterConfig, target: Target, prompts_file: Path, dra
         score = reply_scorer(cfg.scorer, row, prompt_ids, tokenizer, ctx)
         if judge_left > 0:
             found = mine_mismatches(prompt_ids, reference, target_lm, draft_model, score, eos, cfg.max_new_tokens,
-                                    cfg.margin, min(judge_left, cfg.max_rollouts_per_prompt))
+                                    cfg.margin, min(judge_left, cfg.max_rollouts_per_prompt), vocab)
             judge_left -= len(found)
             for m in found:
                 _add(judge, row["id"], m.features, m.important, {k: v for k, v in asdict(m).items() if k != "features"})

@@ -14,6 +14,8 @@ from serving.types import SamplingParams
 # A per-token stop rule (SpecDec++): called after each drafted token with the acceptance head's
 # P(accept) of every token drafted so far in this step; True ends the draft after that token.
 TokenStop = Callable[[list[float]], bool]
+# A trim rule (goodput_head): given the P(accept) of every drafted token, how many of them to verify.
+TokenTrim = Callable[[list[float]], int]
 
 
 @dataclass
@@ -28,6 +30,14 @@ class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None
     parents: list[int] | None = None
+    accept_probs: list[float] | None = None  # the acceptance head's P(accept) per chain token, when it ran
+
+    def prefix(self, n: int) -> Draft:
+        """The chain's first n tokens."""
+        if self.parents is not None:
+            raise ValueError("Only a chain draft can be cut to a prefix.")
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n], None,
+                     None if self.accept_probs is None else self.accept_probs[:n])
 
     @property
     def is_tree(self) -> bool:

@@ -12,6 +12,7 @@ folder keeps the full head, so Hugging Face code (assisted generation) loads it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +49,16 @@ def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Ten
     return expand_draft_vocab(F.linear(hidden, head_rows), vocab, vocab_size)
 
 
+def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The draft's LM head as drafting uses it: last hidden states [..., H] -> logits [..., V] over the
+    target's vocabulary, -inf outside the draft vocabulary when it has one (whose rows alone were trained)."""
+    head = model.get_output_embeddings()
+    if vocab is None:
+        return head
+    rows = head.weight[vocab].detach()
+    return lambda hidden: vocab_logits(hidden, rows, vocab, head.weight.shape[0])
+
+
 class DraftLMDrafter:
     name = "draft-lm"
 
@@ -65,8 +76,8 @@ class DraftLMDrafter:
             raise VocabularyMismatchError(f"The draft vocabulary must be non-empty target ids below {target_vocab_size}.")
         self.model = model.eval()
         self.head = head.eval() if head is not None else None
-        self.vocab, self.vocab_size = vocab, target_vocab_size
-        self.head_rows = model.get_output_embeddings().weight[vocab].detach() if vocab is not None else None
+        self.vocab = vocab
+        self.lm_head = draft_head(model, vocab)
         self.lm = CachedLM(self.model)
         self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache
 
@@ -92,15 +103,10 @@ class DraftLMDrafter:
         self.cached = context[:common]
         return context[common:]
 
-    def _forward_last(self, feed: list[int], with_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [V] at the last fed token and, if asked (for the acceptance head), its hidden state [H]."""
-        if self.vocab is not None:
-            hidden = self.lm.forward_final_hidden(feed)[-1]
-            return vocab_logits(hidden, self.head_rows, self.vocab, self.vocab_size), hidden
-        if not with_hidden:
-            return self.lm.forward(feed)[-1], None
-        logits, hidden = self.lm.forward_hidden(feed)
-        return logits[-1], hidden[-1]
+    def _forward_last(self, feed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [V] at the last fed token and its hidden state [H] (the acceptance head reads it)."""
+        hidden = self.lm.forward_final_hidden(feed)[-1]
+        return self.lm_head(hidden), hidden
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
                 generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
@@ -113,7 +119,7 @@ class DraftLMDrafter:
         rows: list[torch.Tensor] = []
         accept_probs: list[float] = []
         for _ in range(k):
-            logits, hidden = self._forward_last(feed, with_hidden=stop is not None)
+            logits, hidden = self._forward_last(feed)
             self.cached += feed
             if sampling.greedy:
                 token = int(logits.argmax())
@@ -128,4 +134,4 @@ class DraftLMDrafter:
                     break
             feed = [token]
         # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
-        return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
+        return Draft(tokens=tokens, q=torch.stack(rows) if rows else None, accept_probs=accept_probs if stop else None)

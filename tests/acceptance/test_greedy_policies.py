@@ -11,8 +11,15 @@ from serving.bundle import write_bundle
 from serving.cost_model import CostModel
 from serving.drafters.draft_lm import DraftLMDrafter
 from serving.drafters.prompt_lookup import PromptLookupDrafter
-from serving.factory import generator_from_bundle
-from serving.policies import POLICIES, FixedPolicy, GoodputPolicy, HeuristicPolicy, SpecDecPPPolicy
+from serving.factory import HEAD_POLICIES, generator_from_bundle
+from serving.policies import (
+    POLICIES,
+    FixedPolicy,
+    GoodputPolicy,
+    HeadGoodputPolicy,
+    HeuristicPolicy,
+    SpecDecPPPolicy,
+)
 from serving.speculative import GREEDY, SpeculativeGenerator
 from tests.acceptance.conftest import random_head
 from tests.serving.test_greedy_equality import PROMPTS, reference
@@ -20,12 +27,15 @@ from training.acceptance import TrainAcceptanceConfig, sequence_examples
 
 # Cheap drafts, a flat target pass: the best k goes from 1 at low acceptance to the bound at full acceptance.
 COST = CostModel(draft_token_s=0.05, verify_s=((1, 1.0), (16, 1.0)))
+# For goodput_head, whose drafts at the random head's ~1/2 per token would stop near 3 tokens with COST.
+CHEAP_DRAFTS = CostModel(draft_token_s=0.005, verify_s=((1, 1.0), (16, 1.0)))
 
 
 def make_policy(name: str):
     # A random head predicts about 1/2 per token: at threshold 0.97 drafts end after ~5 of at most 8 tokens.
     return {"fixed": lambda: FixedPolicy(4), "heuristic": lambda: HeuristicPolicy(2),
-            "specdecpp": lambda: SpecDecPPPolicy(8, threshold=0.97), "goodput": lambda: GoodputPolicy(8, COST)}[name]()
+            "specdecpp": lambda: SpecDecPPPolicy(8, threshold=0.97), "goodput": lambda: GoodputPolicy(8, COST),
+            "goodput_head": lambda: HeadGoodputPolicy(8, CHEAP_DRAFTS)}[name]()
 
 
 def make_drafters(target, draft_model, policy: str):
@@ -36,7 +46,7 @@ def make_drafters(target, draft_model, policy: str):
         # The target drafting for itself: every draft is accepted, so lengths grow to their bounds.
         "self-draft": DraftLMDrafter(target.model, vocab, random_head(target.model.config.hidden_size, seed=1)),
     }
-    if policy != "specdecpp":
+    if policy not in HEAD_POLICIES:
         drafters["prompt-lookup"] = PromptLookupDrafter(max_ngram=3)
     return drafters
 

@@ -16,10 +16,12 @@ from serving.factory import DecodingConfig, build_policy
 from serving.policies import (
     POLICIES,
     GoodputPolicy,
+    HeadGoodputPolicy,
     HeuristicPolicy,
     SpecDecPPPolicy,
     best_draft_length,
     expected_tokens,
+    prefix_goodput,
     rejection_probability,
 )
 from serving.speculative import GREEDY, SpeculativeGenerator
@@ -116,6 +118,47 @@ def test_goodput_tracks_the_acceptance_rate():
     assert GoodputPolicy(8, COST, prior_acceptance=0.8).draft_length() == 3
 
 
+# Draft forward 1 s; the target pass 10 s for 1 token, 15 s for 2 to 4, +2.5 s per token after.
+STEEP = CostModel(draft_token_s=1.0, verify_s=((1, 10.0), (2, 15.0), (4, 15.0), (8, 25.0)))
+
+
+def test_prefix_goodput_is_expected_tokens_over_step_time():
+    # Two tokens drafted (2 s) with P(accept) 0.5 then 0.8: verifying j commits 1, 1.5, 1.9 tokens.
+    assert prefix_goodput([0.5, 0.8], STEEP, drafted=2) == pytest.approx([1 / 12, 1.5 / 17, 1.9 / 17])
+
+
+@pytest.mark.parametrize(("probs", "keep"), [
+    ([0.2], 0),  # 1 / 11 = 0.091 beats 1.2 / 16 = 0.075: do not verify a token this unlikely
+    ([0.9], 1),  # 1.9 / 16 = 0.119 beats 1 / 11 = 0.091
+    ([0.9, 0.9, 0.9, 0.05], 3),  # the fourth needs a 5-token pass: 3.472 / 21.5 = 0.161 < 3.439 / 19 = 0.181
+    ([0.9, 0.9, 0.9, 0.9], 4),  # at 0.9 the 5-token pass pays: 4.095 / 21.5 = 0.190 > 0.181
+])
+def test_goodput_head_verifies_the_best_prefix(probs, keep):
+    goodputs = prefix_goodput(probs, STEEP, len(probs))
+    assert HeadGoodputPolicy(8, STEEP).best_prefix(probs) == keep == goodputs.index(max(goodputs))
+
+
+def test_goodput_head_stops_when_one_more_token_would_not_pay():
+    policy = HeadGoodputPolicy(8, STEEP)
+    # After [0.9, 0.9] a third token at 0.9 adds 0.729 tokens and 1 s of draft (same 15 s pass): go on.
+    assert not policy.should_stop([0.9, 0.9])
+    # After [0.9, 0.9, 0.9, 0.9] a fifth needs a 6-token pass (20 s): 4.686 / 25 = 0.187 < 4.095 / 21.5 = 0.190.
+    assert policy.should_stop([0.9, 0.9, 0.9, 0.9])
+    assert policy.should_stop([0.1])  # two tokens at 0.1: 1 / 12 at best, against 1 / 11 now
+
+
+def test_goodput_head_can_verify_nothing_and_stays_exact(draft_model, target):
+    """A step whose first drafted token scores low verifies no draft: a plain decoding step."""
+    hidden = draft_model.config.hidden_size
+    head = ScriptedHead(hidden, [0.05, 0.95, 0.95, 0.95] * 40)
+    drafter = DraftLMDrafter(draft_model, target.vocab_size, head=head)
+    generator = SpeculativeGenerator(target, drafter, policy=HeadGoodputPolicy(4, STEEP))
+    result = generator.generate(CONTEXT, 12)
+    assert result.token_ids == reference(target.model, CONTEXT, 12)
+    assert result.stats.per_step[0][0] == 0  # P(accept) 0.05: verified alone
+    assert any(drafted > 0 for drafted, _ in result.stats.per_step)
+
+
 def test_cli_and_factory_accept_exactly_the_policies(target, draft_model):
     parser = build_parser()
     for name in POLICIES:
@@ -126,9 +169,10 @@ def test_cli_and_factory_accept_exactly_the_policies(target, draft_model):
         build_policy(DecodingConfig(policy="oracle"), target, None)
     with pytest.raises(ValueError, match="not of the 'recycling' drafter"):
         build_policy(DecodingConfig(drafter="recycling", policy="heuristic"), target, RecyclingDrafter(target.vocab_size))
-    with pytest.raises(ValueError, match="acceptance head"):
-        build_policy(DecodingConfig(drafter="draft-lm", policy="specdecpp"), target,
-                     DraftLMDrafter(draft_model, target.vocab_size))
+    for name in ("specdecpp", "goodput_head"):
+        with pytest.raises(ValueError, match="acceptance head"):
+            build_policy(DecodingConfig(drafter="draft-lm", policy=name), target,
+                         DraftLMDrafter(draft_model, target.vocab_size))
 
 
 def test_parse_method_keeps_sizes_and_adds_policies():

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from serving.autojudge import JudgeGenerator, verify_judge
+from serving.drafters.base import Draft
 from serving.drafters.draft_lm import DraftLMDrafter
 from serving.router import LinearRouter
-from serving.speculative import SpeculativeGenerator
+from serving.speculative import GREEDY, SpeculativeGenerator
 from serving.verify import verify_greedy
 
 PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7]]
@@ -87,3 +88,38 @@ def test_judge_is_greedy_only(target, draft_model, router):
 
     with pytest.raises(GenerationRequestError, match="greedily"):
         JudgeGenerator(target, draft_model, router, 0.5).generate([5, 6], 4, SamplingParams(temperature=0.7))
+
+
+def test_judge_never_accepts_a_draft_eos_the_target_does_not_choose(target, draft_model, router):
+    """Accepting every mismatch, except a draft EOS: a draft that only proposes EOS leaves the target's reply."""
+    k = 3
+    judge = JudgeGenerator(target, draft_model, router, threshold=1.01, draft_tokens=k)
+    eos = next(iter(target.eos_token_ids))
+
+    class EndingDrafter:
+        name = "draft-lm"
+        hidden = torch.zeros(k, draft_model.config.hidden_size)
+
+        def reset(self) -> None:
+            pass
+
+        def propose(self, context, n, sampling, generator):
+            self.hidden = torch.zeros(n, draft_model.config.hidden_size)
+            return Draft(tokens=[eos] * n)
+
+        def observe(self, tokens, logits) -> None:
+            pass
+
+    judge.drafter = EndingDrafter()
+    for prompt in PROMPTS:
+        assert judge.generate(prompt, 20).token_ids == hf_greedy(target.model, prompt, 20)
+
+
+def test_judge_drafts_within_the_draft_vocabulary(target, draft_model, router):
+    vocab = torch.tensor([2, 7, 11, 40, 41, 42])
+    judge = JudgeGenerator(target, draft_model, router, threshold=1.01, draft_tokens=3, vocab=vocab)
+    with torch.inference_mode():
+        draft = judge.drafter.propose(PROMPTS[2], 3, GREEDY, None)
+    assert draft.tokens and set(draft.tokens) <= set(vocab.tolist())
+    assert draft.tokens == DraftLMDrafter(draft_model, target.vocab_size, vocab=vocab).propose(
+        PROMPTS[2], 3, GREEDY, None).tokens
