@@ -4,8 +4,8 @@ A decoder step at batch 1 reads every weight once for very little arithmetic, so
 is the time to stream the weights from memory. `F.linear` (x @ W^T, MKL sgemm) streams them well
 for one row, but for 2 to 5 rows it takes a path that costs about one pass over W per row: with
 torch 2.13's MKL on this repo's 2-core AVX-512 machine, SmolLM2-135M's target pass over 2 tokens
-took 57 ms and over 3 tokens 69 ms, against 37 ms for one token and 51 ms for four
-(benchmarks/linear_kernels.py reproduces this). That is exactly the pass that verifies a draft,
+took 62 ms and over 3 tokens 77 ms, against 38 ms for one token and 55 ms for four
+(benchmarks/linear_kernels.py; with these layers: 33, 51, 59 and 54 ms, and `generate` 1.2x faster). That is exactly the pass that verifies a draft,
 and it made drafting 1 to 2 tokens a loss whatever the acceptance.
 
 The same products in other layouts take other MKL kernels:
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 6  # past this, (W @ x^T)^T stops beating F.linear on the measured machine
+MAX_ROWS = 4  # benchmarks/results/linear_kernels.json: at 5 and 6 rows (W @ x^T)^T lost to F.linear
 
 
 class SmallBatchLinear(nn.Module):
