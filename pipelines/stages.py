@@ -221,7 +221,8 @@ def register(params: Params) -> None:
     from serving.acceptance_head import HEAD_COMPONENT
     from serving.benchmark import parse_method
     from serving.bundle import write_bundle
-    from serving.factory import ALIGNED_KINDS, HEAD_POLICIES
+    from serving.factory import ALIGNED_KINDS
+    from serving.policies import HEAD_POLICIES
     from serving.target import load_tokenizer
     from training.acceptance import TrainAcceptanceConfig
 

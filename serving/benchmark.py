@@ -21,13 +21,12 @@ from tqdm import tqdm
 from serving.drafters.aligned import ALIGNED_KINDS
 from serving.factory import (
     DRAFTER_KINDS,
-    HEAD_POLICIES,
     POLICY_DRAFTERS,
     DecodingConfig,
     build_drafter,
     build_policy,
 )
-from serving.policies import POLICIES
+from serving.policies import HEAD_POLICIES, POLICIES
 from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt
 from serving.types import GenerationStats

@@ -18,9 +18,7 @@ from transformers import PreTrainedModel
 
 from serving.drafters.base import Drafter
 from serving.kv import CachedLM
-from serving.types import SamplingParams
-
-GREEDY = SamplingParams()
+from serving.speculative import GREEDY
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)  # tokens per target pass to time; others are interpolated
 

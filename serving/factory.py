@@ -17,6 +17,7 @@ from serving.drafters.prompt_lookup import PromptLookupDrafter
 from serving.drafters.recycling import RecyclingDrafter
 from serving.lossy import LOSSY_MODES, OFF, LossyModels
 from serving.policies import (
+    HEAD_POLICIES,
     POLICIES,
     DraftLengthPolicy,
     FixedPolicy,
@@ -34,7 +35,6 @@ DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm") + A
 # Chain drafters whose length a draft length policy other than "fixed" may set (goodput's cost model
 # times the draft LM; prompt lookup costs next to nothing).
 POLICY_DRAFTERS = ("prompt-lookup", "draft-lm")
-HEAD_POLICIES = ("specdecpp", "goodput_head")  # policies reading the draft LM's acceptance head
 
 
 @dataclass

@@ -235,3 +235,5 @@ class HeadGoodputPolicy(_HeadPolicy):
 
 POLICIES = {"fixed": FixedPolicy, "heuristic": HeuristicPolicy, "specdecpp": SpecDecPPPolicy, "goodput": GoodputPolicy,
             "goodput_head": HeadGoodputPolicy}
+# Policies reading the draft LM's acceptance head.
+HEAD_POLICIES = tuple(name for name, policy in POLICIES.items() if issubclass(policy, _HeadPolicy))

@@ -11,8 +11,9 @@ from serving.bundle import write_bundle
 from serving.cost_model import CostModel
 from serving.drafters.draft_lm import DraftLMDrafter
 from serving.drafters.prompt_lookup import PromptLookupDrafter
-from serving.factory import HEAD_POLICIES, generator_from_bundle
+from serving.factory import generator_from_bundle
 from serving.policies import (
+    HEAD_POLICIES,
     POLICIES,
     FixedPolicy,
     GoodputPolicy,
