@@ -31,12 +31,11 @@ from tqdm import tqdm
 
 from serving.arbitrage import ArbitrageGenerator
 from serving.benchmark import environment, merge_stats
-from serving.drafters.draft_lm import DraftLMDrafter, load_draft_vocab
-from serving.factory import load_draft_model
+from serving.drafters.draft_lm import DraftLMDrafter, load_draft
 from serving.greedy_lm import GreedyLM
 from serving.lossy import LossyModels
 from serving.speculative import SpeculativeGenerator
-from serving.target import DTYPES, Target, encode_prompt
+from serving.target import Target, encode_prompt
 from serving.types import GenerationStats
 from training.arbitrage import OracleDecision, StepOracle
 from training.router import read_rows
@@ -129,8 +128,7 @@ def lossy_eval(cfg: LossyEvalConfig, target: Target, prompts_file: Path, draft_d
                oracle_margin: float = 0.05) -> dict[str, Any]:
     """Run every method on the prompts, score the replies, return the report (see the module docstring)."""
     rows = read_rows(prompts_file, cfg.scorer, cfg.n_prompts)
-    dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
-    draft_model, vocab = load_draft_model(draft_dir, dtype), load_draft_vocab(draft_dir)
+    draft_model, vocab = load_draft(draft_dir, target.model.dtype)
     lossy = LossyModels(target, draft_model, router_dir, vocab)
     oracle = _oracle(cfg, target, lossy, oracle_margin) if cfg.oracle else None
     methods = build_methods(cfg, target, draft_model, lossy, oracle)

@@ -97,14 +97,14 @@ def _our_method(generator: SpeculativeGenerator, max_new_tokens: int) -> Method:
 def build_methods(target: Target, cfg: BenchConfig,
                   extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Method]:
     """HF baselines, then our methods; `extra` adds ready-made generators (e.g. the current champion)."""
-    from serving.factory import load_draft_model
+    from serving.drafters.draft_lm import load_draft_model
 
     m = cfg.max_new_tokens
     methods: dict[str, Method] = {BASELINE: _hf_method(target, m)}
     if cfg.hf_prompt_lookup_tokens:
         methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
     if cfg.draft_model and cfg.hf_assisted:
-        methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model))
+        methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model, target.model.dtype))
     for spec in cfg.drafters:
         kind, config = parse_method(spec, cfg.draft_tokens)
         if cfg.stop_threshold is not None:

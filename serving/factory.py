@@ -6,13 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM
-
 from serving.acceptance_head import HEAD_COMPONENT, AcceptanceHead
 from serving.cost_model import measure_cost_model
 from serving.drafters.aligned import ALIGNED_KINDS, load_aligned_drafter
 from serving.drafters.base import Drafter
-from serving.drafters.draft_lm import DraftLMDrafter, load_draft_vocab
+from serving.drafters.draft_lm import DraftLMDrafter, load_draft
 from serving.drafters.prompt_lookup import PromptLookupDrafter
 from serving.drafters.recycling import RecyclingDrafter
 from serving.lossy import LOSSY_MODES, OFF, LossyModels
@@ -28,7 +26,7 @@ from serving.policies import (
 )
 from serving.router import COMPONENT as ROUTER_COMPONENT
 from serving.speculative import SpeculativeGenerator
-from serving.target import DTYPES, Target, encode_prompt, load_target
+from serving.target import Target, encode_prompt, load_target
 from serving.types import SamplingParams
 
 DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm") + ALIGNED_KINDS
@@ -67,13 +65,6 @@ class DecodingConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load_draft_model(path: str | Path, dtype: str = "float32"):
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"Draft model folder {path} has no config.json; pass a Hugging Face model folder.")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-
-
 def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model_path: str | Path | None = None,
                   acceptance_head_path: str | Path | None = None) -> Drafter | None:
     if acceptance_head_path is not None and kind != "draft-lm":
@@ -88,11 +79,9 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model
     if kind == "draft-lm":
         if draft_model_path is None:
             raise ValueError("The draft-lm drafter needs a draft model folder (--draft-model PATH).")
-        # The draft runs in the target's dtype: bf16 halves its cost too.
-        dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
-        vocab = load_draft_vocab(draft_model_path)
-        return DraftLMDrafter(load_draft_model(draft_model_path, dtype), target.vocab_size, head, vocab)
+        model, vocab = load_draft(draft_model_path, target.model.dtype)  # bf16 halves the draft's cost too
+        return DraftLMDrafter(model, target.vocab_size, head, vocab)
     if kind in ALIGNED_KINDS:
         if draft_model_path is None:
             raise ValueError(f"The {kind} drafter needs an aligned head folder (--aligned-head PATH).")

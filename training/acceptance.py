@@ -37,8 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from serving.acceptance_head import AcceptanceHead, AcceptanceHeadConfig, acceptance_features
-from serving.drafters.draft_lm import load_draft_vocab, vocab_logits
-from serving.factory import load_draft_model
+from serving.drafters.draft_lm import load_draft, vocab_logits
 from serving.target import Target
 from training.calibration import calibration, plot_calibration
 from training.draft_lm import check_traces
@@ -213,12 +212,11 @@ def train_acceptance(cfg: TrainAcceptanceConfig, target: Target, draft_model_dir
     start = time.perf_counter()
     traces_dir = Path(traces_dir)
     check_traces(traces_dir, target)
-    draft = load_draft_model(draft_model_dir)
+    draft, vocab = load_draft(draft_model_dir)
     if draft.get_output_embeddings().weight.shape[0] != target.vocab_size:
         raise ValueError(f"The draft model in {draft_model_dir} does not share the target's vocabulary of "
                          f"{target.vocab_size} tokens: train its acceptance head with the target it drafts for.")
     proposal_rng = torch.Generator().manual_seed(cfg.seed)
-    vocab = load_draft_vocab(draft_model_dir)
     train = split_examples(draft, traces_dir / "train", cfg, proposal_rng, vocab)
     has_val = (traces_dir / "val" / MANIFEST).is_file()
     val = split_examples(draft, traces_dir / "val", cfg, proposal_rng, vocab) if has_val else None

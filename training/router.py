@@ -23,11 +23,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from serving.arbitrage import DEFAULT_DELIMITER, DEFAULT_MAX_STEP_TOKENS, boundary_ids
-from serving.drafters.draft_lm import load_draft_vocab
-from serving.factory import load_draft_model
+from serving.drafters.draft_lm import load_draft
 from serving.greedy_lm import GreedyLM
 from serving.router import RouterConfig
-from serving.target import DTYPES, Target, encode_prompt
+from serving.target import Target, encode_prompt
 from training.arbitrage import StepOracle, mine_steps
 from training.autojudge import mine_mismatches
 from training.router_fit import choose_threshold, fit_router, in_holdout, threshold_sweep
@@ -130,8 +129,7 @@ def fit_and_save(kind: str, features: torch.Tensor, labels: torch.Tensor, groups
 
 
 def train_router(cfg: TrainRouterConfig, target: Target, prompts_file: Path, draft_dir: Path) -> dict[str, Any]:
-    dtype = next((name for name, d in DTYPES.items() if d == target.model.dtype), "float32")
-    draft_model, vocab = load_draft_model(draft_dir, dtype), load_draft_vocab(draft_dir)
+    draft_model, vocab = load_draft(draft_dir, target.model.dtype)
     rows = read_rows(prompts_file, cfg.scorer, cfg.max_prompts)
     tokenizer, eos = target.tokenizer, target.eos_token_ids
     ctx = ScoringContext(target=target, timeout_s=cfg.timeout_s)

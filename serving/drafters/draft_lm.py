@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from serving.acceptance_head import AcceptanceHead
 from serving.drafters.base import Draft, TokenStop
@@ -41,6 +41,19 @@ def load_draft_vocab(model_dir: Path | str) -> torch.Tensor | None:
     """The target ids a draft may propose (ascending [N]), or None when it drafts over the whole vocabulary."""
     path = Path(model_dir) / VOCAB_FILE
     return load_file(str(path))["draft_to_target"] if path.is_file() else None
+
+
+def load_draft_model(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A draft LM folder's model in eval mode (the full head kept, so Hugging Face code can use it)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"Draft model folder {model_dir} has no config.json; pass a Hugging Face model folder.")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def load_draft(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, torch.Tensor | None]:
+    """A draft LM and its draft vocabulary; pass the target's dtype, since a bf16 target wants a bf16 draft."""
+    return load_draft_model(model_dir, dtype), load_draft_vocab(model_dir)
 
 
 def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:

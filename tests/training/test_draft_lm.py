@@ -154,7 +154,7 @@ def test_truncated_draft_with_frozen_embeddings_trains_only_its_layers(tmp_path,
 
 
 def test_reduced_vocabulary_draft_trains_only_its_rows_and_saves_them(tmp_path, tiny_target, traces_dir):
-    from serving.drafters.draft_lm import load_draft_vocab
+    from serving.drafters.draft_lm import load_draft, load_draft_vocab
     from training.traces import TraceShards
     from training.vocab import frequent_vocabulary
 
@@ -170,6 +170,10 @@ def test_reduced_vocabulary_draft_trains_only_its_rows_and_saves_them(tmp_path, 
     outside[vocab] = False
     assert torch.equal(head[outside], start[outside])  # rows the draft never proposes get no gradient
     assert not torch.equal(head[vocab], start[vocab])
+    model, loaded_vocab = load_draft(tmp_path / "draft", torch.bfloat16)  # in the dtype a bf16 target asks for
+    assert model.dtype == torch.bfloat16 and not model.training and torch.equal(loaded_vocab, vocab)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_draft(tmp_path)
     # A full-vocabulary run into the same folder removes the stale vocabulary.
     train_draft(fit_config(tmp_path / "draft", init_layers_from_target=True), tiny_target, traces_dir)
     assert load_draft_vocab(tmp_path / "draft") is None
