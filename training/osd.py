@@ -45,8 +45,9 @@ from training.draft_lm import (
     save_draft,
 )
 from training.losses import LOSSES
-from training.strategies import STRATEGIES, full_state_dict, make_strategy
+from training.strategies import full_state_dict
 from training.traces import TraceShards, next_token_mask
+from training.trainer import TrainerConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ FOCUS = ("rejected", "all")
 
 
 @dataclass
-class OSDConfig:
-    """params.yaml section `osd`: online retraining of the champion draft LM on served traffic."""
+class OSDConfig(TrainerConfig):
+    """params.yaml section `osd`: online retraining of the champion draft LM on served traffic. The
+    Lightning fields (strategy, precision, batch_size, ...) are training.trainer.TrainerConfig's."""
 
     feedback_db: str = "feedback/feedback.db"
     """The server's feedback log (its --feedback-db), read-only here."""
@@ -84,23 +86,11 @@ class OSDConfig:
     """AdamW learning rate (constant): lower than train_draft's, the draft only needs to adapt."""
     epochs: int = 2
     """Passes over the served + replay sequences."""
-    max_steps: int = -1
-    """Optimizer steps cap; -1 means epochs decide."""
-    batch_size: int = 8
-    """Sequences per batch."""
     max_seq_len: int = 512
-    """Sequences are cut to this many tokens, keeping the start (positions past it are not trained on)."""
+    log_every_n_steps: int = 1  # a retrain is a few dozen steps
     train_embeddings: bool = False
     """Also train the embeddings and LM head. Off by default: the copied target head is already right,
     and on a CPU the vocabulary-sized head dominates the backward pass."""
-    strategy: str = "auto"
-    """Lightning strategy, as train_draft.strategy."""
-    precision: str = "32-true"
-    """Lightning precision."""
-    accelerator: str = "auto"
-    """Lightning accelerator: auto, cpu, gpu."""
-    seed: int = 0
-    """Seeds the replay sample and the data order."""
     eval_prompts: int = 8
     """Prompts per evaluation slice: held-out traffic, and the original test split (evaluate.split)."""
     eval_max_new_tokens: int = 64
@@ -127,8 +117,7 @@ class OSDConfig:
             raise ValueError(f"osd.focus '{self.focus}' is unknown. Choose one of: {', '.join(FOCUS)}.")
         if self.loss not in LOSSES:
             raise ValueError(f"osd.loss '{self.loss}' is unknown. Choose one of: {', '.join(LOSSES)}.")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"osd.strategy '{self.strategy}' is unknown. Choose one of: {', '.join(STRATEGIES)}.")
+        self.check_trainer("osd")
         if self.min_rows < 2 or self.max_rows < self.min_rows:
             raise ValueError(f"osd: need 2 <= min_rows <= max_rows (a window is split into training and held-out "
                              f"requests), got min_rows={self.min_rows}, max_rows={self.max_rows}.")
@@ -136,8 +125,8 @@ class OSDConfig:
             raise ValueError(f"osd.heldout_fraction must be in (0, 1), got {self.heldout_fraction}.")
         if self.replay_ratio < 0 or self.replay_weight < 0:
             raise ValueError("osd.replay_ratio and osd.replay_weight must be >= 0.")
-        if min(self.epochs, self.batch_size, self.max_seq_len, self.eval_prompts, self.eval_max_new_tokens) < 1:
-            raise ValueError("osd: epochs, batch_size, max_seq_len, eval_prompts and eval_max_new_tokens must be >= 1.")
+        if min(self.eval_prompts, self.eval_max_new_tokens) < 1:
+            raise ValueError("osd: eval_prompts and eval_max_new_tokens must be >= 1.")
 
 
 @torch.inference_mode()
@@ -221,9 +210,9 @@ class OSDDistillation(DraftDistillation):
     """DraftDistillation whose loss is mean(served positions) + replay_weight * mean(replay positions),
     so the served mistakes keep their weight however many replay positions a batch holds."""
 
-    def __init__(self, draft: PreTrainedModel, loss: str, lr: float, replay_weight: float,
+    def __init__(self, draft: PreTrainedModel, loss: str, lr: float, weight_decay: float, replay_weight: float,
                  vocab: torch.Tensor | None = None) -> None:
-        super().__init__(draft, loss, lr, weight_decay=0.0, vocab=vocab)
+        super().__init__(draft, loss, lr, weight_decay, vocab)
         self.replay_weight = replay_weight
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -283,15 +272,10 @@ def osd_distill(cfg: OSDConfig, target: Target, parent_dir: Path, served_dir: Pa
     draft.train()  # from_pretrained and the mask pass left it in eval mode; Lightning keeps modules' modes
     loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate_mixed,
                         generator=torch.Generator().manual_seed(cfg.seed))
-    module = OSDDistillation(draft, cfg.loss, cfg.lr, cfg.replay_weight, vocab)
+    module = OSDDistillation(draft, cfg.loss, cfg.lr, cfg.weight_decay, cfg.replay_weight, vocab)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name, "parent": str(parent_dir)})
-    trainer = pl.Trainer(
-        strategy=make_strategy(cfg.strategy), accelerator=cfg.accelerator, devices=1, precision=cfg.precision,
-        max_epochs=cfg.epochs, max_steps=cfg.max_steps, gradient_clip_val=1.0, log_every_n_steps=1,
-        logger=logger if logger is not None else False, enable_checkpointing=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0,
-    )
+    trainer = build_trainer(cfg, logger, has_val=False)
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     report = {

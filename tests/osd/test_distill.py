@@ -107,3 +107,14 @@ def test_a_parent_with_a_draft_vocabulary_passes_it_on(fitted, osd_assets, tmp_p
                          folder / "served", folder / "replay")
     assert torch.isfinite(torch.tensor(report["final_loss"]))
     assert torch.equal(load_draft_vocab(tmp_path / "child"), vocab)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"strategy": "horovod"}, "osd.strategy 'horovod' is unknown"),
+    ({"batch_size": 0}, "osd: batch_size"),
+    ({"focus": "some"}, "osd.focus"),
+    ({"eval_prompts": 0}, "eval_prompts"),
+])
+def test_bad_osd_settings_name_their_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        OSDConfig(**overrides)
