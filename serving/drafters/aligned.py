@@ -136,16 +136,18 @@ class AlignedHeadDrafter:
         # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
 
-    def _children(self, token_branch: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Top-K next tokens (target ids) and their draft log-probabilities for one position [H]."""
+    def _children(self, token_branch: torch.Tensor) -> list[list[tuple[int, float]]]:
+        """Per position of token_branch [n, H]: its top-K next tokens (target ids) with their draft
+        log-probabilities. One head matmul for all n positions of a tree level."""
         logprobs = self._logits(token_branch).float().log_softmax(-1)
-        top = logprobs.topk(min(self.tree_top_k, logprobs.shape[-1]))
-        return self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
+        top = logprobs.topk(min(self.tree_top_k, logprobs.shape[-1]), dim=-1)
+        ids, scores = self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
+        return [list(zip(row_ids, row_scores, strict=True)) for row_ids, row_scores in zip(ids, scores, strict=True)]
 
     def _tree(self, max_depth: int) -> Draft:
         """EAGLE-2 dynamic tree (see the module docstring)."""
         token_branch, feature = self.last
-        nodes = [_Node(t, -1, 1, s) for t, s in zip(*self._children(token_branch[0, -1]), strict=True)]
+        nodes = [_Node(t, -1, 1, s) for t, s in self._children(token_branch[0, -1:])[0]]
         entry: dict[int, int] = {}  # node -> its index in the head's cache, once expanded
         verified = self.cache.length
         features = {-1: feature[0, -1]}  # node -> feature output (the parent input of its children)
@@ -165,10 +167,9 @@ class AlignedHeadDrafter:
                 visible[row, entry[i]] = True
             inputs = torch.stack([features[nodes[i].parent] for i in expand])[None]  # [1, K, H]
             token_branch, feature = self._run(inputs, [nodes[i].token for i in expand], depth, visible)
-            for row, i in enumerate(expand):
+            for row, (i, children) in enumerate(zip(expand, self._children(token_branch[0]), strict=True)):
                 features[i] = feature[0, row]
-                for t, s in zip(*self._children(token_branch[0, row]), strict=True):
-                    nodes.append(_Node(t, i, depth + 1, nodes[i].score + s))
+                nodes.extend(_Node(t, i, depth + 1, nodes[i].score + s) for t, s in children)
         return self._select(nodes)
 
     def _select(self, nodes: list[_Node]) -> Draft:

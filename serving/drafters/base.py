@@ -67,6 +67,16 @@ class Drafter(Protocol):
         """See the target's logits [n, V] at the tokens [n] of a verify pass (Token Recycling learns here)."""
 
 
+class PassiveDrafter:
+    """Base for drafters with no per-sequence state that learn nothing from verification."""
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
+        pass
+
+
 class FeatureDrafter(Drafter, Protocol):
     """A drafter that reads the target's hidden states (the EAGLE family: aligned heads).
 

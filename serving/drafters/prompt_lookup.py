@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from serving.drafters.base import EMPTY, Draft
+from serving.drafters.base import EMPTY, Draft, PassiveDrafter
 from serving.types import SamplingParams
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(PassiveDrafter):
     name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
@@ -16,12 +16,6 @@ class PromptLookupDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-
-    def reset(self) -> None:
-        pass
-
-    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
-        pass
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Draft:
