@@ -30,7 +30,7 @@ from serving.benchmark import BenchConfig, run_benchmark_ids
 from serving.datasets import bench_prompts
 from serving.drafters.base import EMPTY, Draft, PassiveDrafter
 from serving.speculative import SpeculativeGenerator
-from serving.target import Target, encode_prompt, load_target
+from serving.target import DEFAULT_TARGET, DTYPES, Target, encode_prompt, load_target
 from serving.types import SamplingParams
 
 log = logging.getLogger("specops.ceiling")
@@ -116,6 +116,8 @@ def plot_ceiling(grid: list[dict[str, Any]], bar: float | None, path: Path) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="data/prompts/test.jsonl", help="humaneval, sharegpt or a prompts JSONL (as specops bench)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2', a .gguf file or a local HF model folder")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="target precision")
     parser.add_argument("--n", type=int, default=6, help="prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.8, 0.6, 0.4],
@@ -127,16 +129,22 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/ceiling.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     args = parser.parse_args()
+    if not all(0.0 <= a <= 1.0 for a in args.acceptance):
+        parser.error(f"--acceptance values must be in [0, 1], got {args.acceptance}")
+    if min(args.draft_tokens) < 1:
+        parser.error(f"--draft-tokens values must be >= 1, got {args.draft_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target()
+    target = load_target(args.target, args.dtype)
     prompts = [encode_prompt(target.tokenizer, messages) for messages in bench_prompts(args.dataset, args.n)]
     log.info("greedy references for %d prompts, %d tokens each", len(prompts), args.max_new_tokens)
     references = greedy_references(target, prompts, args.max_new_tokens)
-    vocab = target.model.get_output_embeddings().weight.shape[0]
-    generators = {method_name(a, k): SpeculativeGenerator(target, OracleDrafter(references, a, vocab, args.seed), "greedy", k)
-                  for a in args.acceptance for k in args.draft_tokens}
+    generators = {
+        method_name(a, k): SpeculativeGenerator(target, OracleDrafter(references, a, target.vocab_size, args.seed),
+                                                "greedy", k)
+        for a in args.acceptance for k in args.draft_tokens
+    }
     cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=[],
                       hf_assisted=False, hf_prompt_lookup_tokens=0)
     report = run_benchmark_ids(target, prompts, cfg, extra=generators)
