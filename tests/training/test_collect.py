@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from serving.target import encode_prompt
+from serving.target import encode_prompt, target_from_model
 from tests.training.conftest import LAYERS, collect_config, write_jsonl
 from training import collect as collect_module
 from training.collect import CollectConfig, collect
@@ -190,3 +191,51 @@ def test_a_short_reply_ends_with_the_end_of_turn_token(tiny_target, chat_tokeniz
     ids = collect_module.reply_ids(tiny_target, "ok")
     assert ids == chat_tokenizer("ok").input_ids + [chat_tokenizer.eos_token_id]
     assert collect_module.reply_ids(tiny_target, None) is None
+
+
+@pytest.fixture(scope="module")
+def early_eos_target(tiny_target, prompts_dir):
+    """The tiny target with, as its EOS, the token that first appears at the most different steps of its
+    greedy replies, so that replies sharing a batch end at different steps."""
+    model = copy.deepcopy(tiny_target.model)
+    prompts = [encode_prompt(tiny_target.tokenizer, row["messages"]) for row in prompts_by_id(prompts_dir, "train").values()]
+    replies = [model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    first_steps = {token: {reply.index(token) for reply in replies if token in reply} for reply in replies for token in reply}
+    model.generation_config.eos_token_id = max(first_steps, key=lambda token: len(first_steps[token]))
+    return target_from_model(model, tiny_target.tokenizer, name="tiny-early-eos")
+
+
+@pytest.mark.parametrize("eos", ["never", "early"])
+def test_batched_regeneration_matches_one_prompt_at_a_time(tmp_path, prompts_dir, tiny_target, early_eos_target, eos):
+    """Left padding, length-sorted batches and EOS cuts give each prompt the target's own greedy reply, in
+    the original prompt order, and generate's own hidden states give what a separate scoring pass gives."""
+    target = early_eos_target if eos == "early" else tiny_target
+    one = collect(collect_config(tmp_path / "one", splits=["train"], max_new_tokens=24), target, prompts_dir)
+    many = collect(collect_config(tmp_path / "many", splits=["train"], max_new_tokens=24, generate_batch_size=4),
+                   target, prompts_dir)
+    assert one["train"]["sequences"] == many["train"]["sequences"] > 4
+    a, b = (TraceShards(tmp_path / d / "train") for d in ("one", "many"))
+    for i in range(len(a)):
+        for name in ("input_ids", "loss_mask", "topk_ids"):
+            assert torch.equal(a[i][name], b[i][name]), (i, name)
+        # Padded, cached attention sums in another order than one unpadded pass: float rounding only.
+        torch.testing.assert_close(a[i]["topk_logprobs"], b[i]["topk_logprobs"], rtol=0, atol=1e-4)
+        torch.testing.assert_close(a[i]["hidden_states"], b[i]["hidden_states"], rtol=1e-3, atol=1e-3)  # fp16 storage
+    prompt_lengths = {len(b[i]["input_ids"]) - int(b[i]["loss_mask"].sum()) for i in range(len(b))}
+    assert len(prompt_lengths) > 1  # prompts of several lengths shared batches, so padding was exercised
+    ended = [i for i in range(len(b)) if int(b[i]["input_ids"][-1]) in target.eos_token_ids]
+    reply_lengths = {int(b[i]["loss_mask"].sum()) for i in range(len(b))}
+    assert (ended and len(reply_lengths) > 1) if eos == "early" else not ended  # early: replies ended at several steps
+
+
+def test_until_eos_keeps_the_first_eos_and_drops_the_padding_after_it():
+    assert collect_module.until_eos([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
+    assert collect_module.until_eos([5, 6, 7], {2}) == [5, 6, 7]
+    assert collect_module.until_eos([2, 2], {2, 9}) == [2]
+
+
+def test_batched_regeneration_is_greedy_only():
+    with pytest.raises(ValueError, match="generate_batch_size: 1"):
+        CollectConfig(generate_batch_size=8, temperature=0.7)
+    with pytest.raises(ValueError, match="generate_batch_size >= 1"):
+        CollectConfig(generate_batch_size=0)
