@@ -83,7 +83,8 @@ def project_params(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "model_name": MODEL},
         "prepare": {"sharegpt_max": 4 * args.setup_prompts, "humaneval": False, "test_fraction": 0.1,
                     "max_prompt_tokens": 256},
-        # As the quickstart: ShareGPT's own replies teacher-forced, an 8k-token draft vocabulary.
+        # ShareGPT's own replies teacher-forced (the cheapest start; the README's OSD numbers are from it),
+        # an 8k-token draft vocabulary as in the quickstart.
         "collect": {"responses": "dataset", "max_new_tokens": 128, "top_k_logits": 32, "hidden_layers": [],
                     "shard_size": 16, "splits": ["train"], "max_prompts_per_split": args.setup_prompts},
         "train_draft": {"init_layers_from_target": True, "num_layers": 2, "train_embeddings": False,
