@@ -20,7 +20,8 @@ The transformers one regenerates in one of two ways:
 - `generate_batch_size: N > 1` runs HF `generate` greedily on N left-padded prompts at once and takes
   the scores from generate's own hidden states, with no second pass. At batch 1 a decoding step reads
   every weight for one token; at 32 it reads them once for 32 tokens: on this repo's 2-core CPU,
-  SmolLM2-135M collects ~64 response tokens/s this way against ~20 one at a time. Batched float
+  SmolLM2-135M collects ~62 response tokens/s this way, while batch-1 greedy decoding alone runs at
+  ~19 tokens/s before one at a time adds its scoring pass. Batched float
   arithmetic sums in another order, so a near-tie can flip a token: the responses are the target's
   greedy text up to such rare flips, which a training set tolerates and the evaluation never relies
   on (it decodes on its own, at batch 1).
