@@ -230,7 +230,7 @@ def generate_batched(target: Target, prompts: list[Prompt], cfg: CollectConfig, 
 
 
 def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """The tokens up to and including the first EOS (a finished row of a batch is padded after it)."""
+    """The tokens up to and including the first EOS (a row of a batch generates on past its EOS)."""
     end = next((i for i, token in enumerate(tokens) if token in eos), None)
     return tokens if end is None else tokens[:end + 1]
 
