@@ -228,7 +228,7 @@ def test_batched_regeneration_matches_one_prompt_at_a_time(tmp_path, prompts_dir
     assert (ended and len(reply_lengths) > 1) if eos == "early" else not ended  # early: replies ended at several steps
 
 
-def test_until_eos_keeps_the_first_eos_and_drops_the_padding_after_it():
+def test_until_eos_keeps_the_first_eos_and_drops_what_the_batch_generated_after_it():
     assert collect_module.until_eos([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
     assert collect_module.until_eos([5, 6, 7], {2}) == [5, 6, 7]
     assert collect_module.until_eos([2, 2], {2, 9}) == [2]
