@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     target = load_target(args.target, args.dtype)
     config = DecodingConfig(drafter=args.drafter, verifier=args.verifier, draft_tokens=args.draft_tokens,
                             recycling_nodes=args.recycling_nodes, policy=args.policy,
-                            aligned_tree_nodes=args.aligned_tree_nodes, aligned_tree_top_k=args.aligned_tree_top_k)
+                            tree_nodes=args.tree_nodes, tree_top_k=args.tree_top_k)
     if args.stop_threshold is not None:
         config.stop_threshold = args.stop_threshold
     weights = args.aligned_head if args.drafter.startswith("aligned_head") else args.draft_model
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="a user message (the chat template is applied unless --raw)")
     gen.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--drafter", choices=["prompt-lookup", "recycling", "hybrid", "draft-lm", "aligned_head",
+    gen.add_argument("--drafter", choices=["prompt-lookup", "recycling", "hybrid", "draft-lm", "draft-lm-tree", "aligned_head",
                                            "aligned_head_tree", "none"],
                      default="recycling", help="'none' is plain autoregressive decoding through the same loop; "
                      "'hybrid' merges the prompt-lookup continuation into the Token Recycling tree")
@@ -137,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-tokens", type=int, default=6, help="chain draft length / tree depth limit")
     gen.add_argument("--recycling-nodes", type=int, default=12, help="Token Recycling tree size")
     _add_aligned_args(gen)
-    gen.add_argument("--aligned-tree-nodes", type=int, default=12, help="aligned_head_tree: dynamic tree size")
-    gen.add_argument("--aligned-tree-top-k", type=int, default=4,
-                     help="aligned_head_tree: top-k tokens per expanded node, and nodes expanded per level")
+    gen.add_argument("--tree-nodes", type=int, default=12, help="aligned_head_tree, draft-lm-tree: dynamic tree size")
+    gen.add_argument("--tree-top-k", type=int, default=4, help="aligned_head_tree, draft-lm-tree: top-k tokens per "
+                     "expanded node, and nodes expanded per level")
     gen.add_argument("--policy", choices=list(POLICIES), default="fixed",
                      help="draft length policy: fixed k, HF's heuristic, SpecDec++ (needs --acceptance-head) or "
                           "SmartSpec goodput; --draft-tokens is the start or the bound")
@@ -159,11 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--n", type=int, default=20, help="number of prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--drafters", nargs="+", default=["none", "prompt-lookup", "recycling"],
-                       help="our methods: none, prompt-lookup, recycling, draft-lm, each optionally with @SIZE "
-                            "(recycling tree nodes or chain draft tokens), e.g. recycling@8 recycling@16 draft-lm@4; "
+                       help="our methods: none, prompt-lookup, recycling, hybrid, draft-lm, draft-lm-tree, "
+                            "aligned_head, aligned_head_tree, each optionally with @SIZE (tree nodes for recycling, "
+                            "hybrid and the *tree drafters, whose depth is --draft-tokens; chain draft tokens "
+                            "otherwise), e.g. recycling@16 draft-lm@4 draft-lm-tree@8; "
                             "prompt-lookup and draft-lm also take +POLICY (" + ", ".join(POLICIES) + "), e.g. "
                             "draft-lm+specdecpp@8 draft-lm+goodput_head@8 draft-lm+goodput draft-lm+heuristic")
-    bench.add_argument("--draft-tokens", type=int, default=6)
+    bench.add_argument("--draft-tokens", type=int, default=6,
+                       help="chain draft length, or tree depth limit, for methods without their own @SIZE")
     bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
     _add_aligned_args(bench)
     _add_policy_args(bench)

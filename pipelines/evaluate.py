@@ -33,6 +33,9 @@ class EvaluateConfig:
     """Tokens generated per prompt and method."""
     methods: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling@8", "draft-lm@4"])
     """Our methods, drafter[@size]; sizes of one kind make a sweep (the bundle takes the best)."""
+    draft_tokens: int = 6
+    """Draft length of chain methods without an @SIZE, and the depth limit of tree methods (whose @SIZE
+    is their node count); the bundle's default method keeps it."""
     bundle_drafters: list[str] = field(default_factory=lambda: ["draft-lm"])
     """Drafter kinds the bundle may ship; the fastest lossless method among them becomes its default."""
     hf_assisted: bool = True
@@ -94,7 +97,7 @@ def evaluate(cfg: EvaluateConfig, target: Target, prompts_file: Path, models: Tr
              champion: SpeculativeGenerator | None) -> dict[str, Any]:
     prompts = read_split(prompts_file, cfg.n_prompts)
     bench = BenchConfig(dataset=str(prompts_file), n=len(prompts), max_new_tokens=cfg.max_new_tokens,
-                        drafters=cfg.methods, hf_assisted=cfg.hf_assisted, **models.available())
+                        drafters=cfg.methods, draft_tokens=cfg.draft_tokens, hf_assisted=cfg.hf_assisted, **models.available())
     report = run_benchmark(target, prompts, bench, {CHAMPION_METHOD: champion} if champion else None)
     methods = report["methods"]
     chosen = default_method(methods, cfg.bundle_drafters)

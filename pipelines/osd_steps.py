@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.stages import Params, _mlflow_logger, _tracking, report_path, section, write_json
+from serving.types import DRAFT_LM_KINDS
 
 log = logging.getLogger("specops.osd")
 
 WINDOW_PARQUET = "window.parquet"
 WINDOW_INFO = "window.json"
-DRAFT_LM = "draft-lm"
 # Model version tags that carry a retrain's lineage; `osd.window_last_id` also lets a retrain that
 # died between the gate and the watermark write recover (pipelines/retrain.py).
 TAG_PREFIX = "osd."
@@ -68,7 +68,7 @@ def parent_bundle(params: Params) -> Iterator[Any]:
     registry = _tracking(params)
     with tempfile.TemporaryDirectory(prefix="specops-osd-parent-") as tmp:
         bundle = load_bundle(download_bundle(registry.model_name, info["parent_version"], Path(tmp)))
-        if bundle.drafter_kind != DRAFT_LM or bundle.drafter_dir is None:
+        if bundle.drafter_kind not in DRAFT_LM_KINDS or bundle.drafter_dir is None:
             raise ValueError(f"OSD distills a draft LM, but version {info['parent_version']} of "
                              f"'{registry.model_name}' drafts with '{bundle.drafter_kind}'.")
         yield bundle
@@ -76,12 +76,13 @@ def parent_bundle(params: Params) -> Iterator[Any]:
 
 def write_challenger(out_dir: Path | str, parent: Any, draft_dir: Path | str, metrics: dict[str, Any]) -> Path:
     """A bundle that is the parent's with the retrained draft: same target, decoding strategy and
-    components (an acceptance head stays; speed is what the gate measures, output stays lossless)."""
+    drafter kind and components (an acceptance head stays; speed is what the gate measures, output
+    stays lossless)."""
     from pipelines.registry import git_provenance
     from serving.bundle import write_bundle
 
     serving = {key: value for key, value in parent.serving.items() if key != "drafter"}
-    return write_bundle(out_dir, drafter_dir=Path(draft_dir), drafter_kind=DRAFT_LM, serving=serving,
+    return write_bundle(out_dir, drafter_dir=Path(draft_dir), drafter_kind=parent.drafter_kind, serving=serving,
                         target_source=parent.target_source, target_dtype=parent.target_dtype,
                         fingerprint=parent.fingerprint, metrics=metrics, extra_dirs=parent.extra_dirs,
                         git_sha=git_provenance().get("git_sha"), overwrite=True)

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.osd_steps import (
-    DRAFT_LM,
     NEEDS_TARGET,
     STEPS,
     TAG_PREFIX,
@@ -52,6 +51,7 @@ from pipelines.params import read_params
 from pipelines.run_lock import LockHeldError, RunLock, lock_holder
 from pipelines.stages import Params, _target, _tracking, write_json
 from pipelines.watermark import Watermark, WatermarkError, read_watermark, write_watermark
+from serving.types import DRAFT_LM_KINDS
 
 log = logging.getLogger("specops.retrain")
 
@@ -98,8 +98,9 @@ def _champion(model_name: str) -> dict[str, Any]:
                                             "(dvc repro) first; OSD retrains the champion's draft LM."}
     tags = MlflowClient().get_model_version(model_name, version).tags
     kind = tags.get("bundle.drafter_kind")
-    blocker = None if kind == DRAFT_LM else (f"champion v{version} drafts with '{kind}'; OSD retrains a "
-                                             f"{DRAFT_LM} (make the main pipeline's bundle default to one)")
+    blocker = None if kind in DRAFT_LM_KINDS else (
+        f"champion v{version} drafts with '{kind}'; OSD retrains a draft LM ({' or '.join(DRAFT_LM_KINDS)}; "
+        "make the main pipeline's bundle default to one)")
     return {"version": version, "bundle_version": tags.get("bundle.version"), "drafter": kind, "blocker": blocker}
 
 

@@ -221,7 +221,7 @@ def register(params: Params) -> None:
     from serving.acceptance_head import HEAD_COMPONENT
     from serving.benchmark import parse_method
     from serving.bundle import write_bundle
-    from serving.factory import ALIGNED_KINDS
+    from serving.factory import ALIGNED_KINDS, DRAFT_LM_KINDS
     from serving.policies import HEAD_POLICIES
     from serving.target import load_tokenizer
     from training.acceptance import TrainAcceptanceConfig
@@ -231,10 +231,10 @@ def register(params: Params) -> None:
     target_cfg = section(params, TargetConfig, "target")
     report = json.loads(Path(evaluation.out).read_text())
     default = report["default"]
-    kind, decoding = parse_method(default["method"], 6)
+    kind, decoding = parse_method(default["method"], evaluation.draft_tokens)
     serving = {k: v for k, v in asdict(decoding).items() if k not in ("drafter", "extra")} | {"verifier": "auto"}
     models = trained_models(params)
-    weights = {"draft-lm": models.draft_model, **{k: models.aligned_head for k in ALIGNED_KINDS}}.get(kind)
+    weights = {**{k: models.draft_model for k in DRAFT_LM_KINDS}, **{k: models.aligned_head for k in ALIGNED_KINDS}}.get(kind)
     extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,

@@ -46,7 +46,7 @@ class BenchConfig:
     # chain drafters) and "@size" (Token Recycling tree nodes, or chain draft tokens: the policy's k or bound);
     # several sizes or policies of one kind make a sweep in the same run.
     drafters: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling"])
-    draft_tokens: int = 6  # chain draft length when a method gives no @size
+    draft_tokens: int = 6  # chain draft length when a method gives no @size; the depth limit of tree methods
     draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
     aligned_head: str | None = None  # aligned head folder (models/aligned_head): needed by aligned_head[_tree]
     acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp and +goodput_head
@@ -71,8 +71,8 @@ def parse_method(spec: str, default_tokens: int) -> tuple[str, DecodingConfig]:
     config = DecodingConfig(drafter=kind, verifier="greedy", draft_tokens=default_tokens, policy=policy or "fixed")
     if size and kind in ("recycling", "hybrid"):
         config.recycling_nodes = int(size)
-    elif size and kind == "aligned_head_tree":  # tree nodes; its depth is draft_tokens
-        config.aligned_tree_nodes = int(size)
+    elif size and kind in ("aligned_head_tree", "draft-lm-tree"):  # tree nodes; their depth is draft_tokens
+        config.tree_nodes = int(size)
     elif size:
         config.draft_tokens = int(size)
     return kind, config

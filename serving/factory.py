@@ -27,9 +27,9 @@ from serving.policies import (
 from serving.router import COMPONENT as ROUTER_COMPONENT
 from serving.speculative import SpeculativeGenerator
 from serving.target import Target, encode_prompt, load_target
-from serving.types import SamplingParams
+from serving.types import DRAFT_LM_KINDS, SamplingParams
 
-DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm") + ALIGNED_KINDS
+DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm", "draft-lm-tree") + ALIGNED_KINDS
 # Chain drafters whose length a draft length policy other than "fixed" may set (goodput's cost model
 # times the draft LM; prompt lookup costs next to nothing).
 POLICY_DRAFTERS = ("prompt-lookup", "draft-lm")
@@ -49,10 +49,11 @@ class DecodingConfig:
     policy: str = "fixed"
     # specdecpp: end a draft once P(some drafted token is rejected) exceeds this. Higher drafts longer.
     stop_threshold: float = 0.5
-    # aligned_head_tree: nodes of its dynamic draft tree (EAGLE-2), and the top-k tokens taken from each
-    # expanded node (also how many nodes a level expands). Size the tree by the verify cost curve.
-    aligned_tree_nodes: int = 12
-    aligned_tree_top_k: int = 4
+    # aligned_head_tree and draft-lm-tree: nodes of the dynamic draft tree (EAGLE-2), and the top-k tokens
+    # taken from each expanded node (also how many nodes a level expands). Size the tree by the verify
+    # cost curve.
+    tree_nodes: int = 12
+    tree_top_k: int = 4
     # Lossy acceleration, opt-in: "off" keeps the output identical to the target's. One of
     # serving.lossy.LOSSY_MODES: autojudge accepts mismatching draft tokens its classifier deems
     # unimportant (arXiv 2504.20039); arbitrage keeps whole draft steps its router deems as good as the
@@ -68,7 +69,7 @@ class DecodingConfig:
 def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model_path: str | Path | None = None,
                   acceptance_head_path: str | Path | None = None) -> Drafter | None:
     if acceptance_head_path is not None and kind != "draft-lm":
-        raise ValueError(f"An acceptance head reads a draft LM's hidden states; the '{kind}' drafter has none.")
+        raise ValueError(f"An acceptance head stops the draft-lm drafter's chains; the '{kind}' drafter takes none.")
     if kind == "none":
         return None
     if kind == "prompt-lookup":
@@ -76,17 +77,18 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model
     if kind in ("recycling", "hybrid"):  # hybrid: Token Recycling tree + the prompt-lookup branch merged in
         lookup = PromptLookupDrafter(max_ngram=config.prompt_lookup_max_ngram) if kind == "hybrid" else None
         return RecyclingDrafter(target.vocab_size, num_nodes=config.recycling_nodes, lookup=lookup)
-    if kind == "draft-lm":
+    if kind in DRAFT_LM_KINDS:
         if draft_model_path is None:
-            raise ValueError("The draft-lm drafter needs a draft model folder (--draft-model PATH).")
+            raise ValueError(f"The {kind} drafter needs a draft model folder (--draft-model PATH).")
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
         model, vocab = load_draft(draft_model_path, target.model.dtype)  # bf16 halves the draft's cost too
-        return DraftLMDrafter(model, target.vocab_size, head, vocab)
+        nodes = config.tree_nodes if kind == "draft-lm-tree" else 0
+        return DraftLMDrafter(model, target.vocab_size, head, vocab, nodes, config.tree_top_k)
     if kind in ALIGNED_KINDS:
         if draft_model_path is None:
             raise ValueError(f"The {kind} drafter needs an aligned head folder (--aligned-head PATH).")
-        nodes = config.aligned_tree_nodes if kind == "aligned_head_tree" else 0
-        return load_aligned_drafter(draft_model_path, target.model, nodes, config.aligned_tree_top_k)
+        nodes = config.tree_nodes if kind == "aligned_head_tree" else 0
+        return load_aligned_drafter(draft_model_path, target.model, nodes, config.tree_top_k)
     raise ValueError(f"Unknown drafter '{kind}'. Choose one of: {', '.join(DRAFTER_KINDS)}.")
 
 

@@ -77,10 +77,21 @@ class CachedLM:
         out = self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         return out.logits[0], out.hidden_states[-1][0]
 
-    def forward_final_hidden(self, token_ids: list[int]) -> torch.Tensor:
+    def forward_final_hidden(self, token_ids: list[int], position: int | None = None,
+                             visible: torch.Tensor | None = None) -> torch.Tensor:
         """Append tokens through the decoder alone: the final norm's output [n, H], no LM head (the caller
-        applies its own, e.g. a draft's reduced-vocabulary rows)."""
-        out = self.model.base_model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True)
+        applies its own, e.g. a draft's reduced-vocabulary rows).
+
+        By default the tokens continue the cached sequence causally. A drafter growing a tree passes its
+        level's nodes instead: all at `position`, each attending to its row of `visible` [n, cache
+        length after appending].
+        """
+        kwargs = {}
+        if visible is not None:
+            dtype = self.model.dtype
+            kwargs["attention_mask"] = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+            kwargs["position_ids"] = torch.full((1, len(token_ids)), position)
+        out = self.model.base_model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, **kwargs)
         return out.last_hidden_state[0]
 
     def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:

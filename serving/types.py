@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+DRAFT_LM_KINDS = ("draft-lm", "draft-lm-tree")  # drafter kinds whose weights are a draft LM folder: chain, tree
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -5,18 +5,13 @@ the last (the prefill, then each verified path), and it keeps the head's KV cach
 positions. `propose` first feeds the new positions (true features, and the committed token after
 each), then drafts:
   * chain: k tokens, each step reading the previous step's feature output (EAGLE);
-  * dynamic tree (EAGLE-2, arXiv 2406.16858): from the last position take the top-K tokens; at each
-    depth run the head once on the K best nodes of the newest level (by cumulative draft
-    log-probability) and give each its top-K children; finally keep the `tree_nodes` best nodes
-    of the whole tree. The candidates are deterministic, so `verify_tree` is lossless at any
-    temperature.
+  * dynamic tree (EAGLE-2, serving.drafters.dynamic_tree): the head runs once per level on that
+    level's best nodes, lossless at any temperature.
 Drafted positions are removed from the head's cache afterwards; only verified positions stay.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,18 +19,11 @@ from transformers import PreTrainedModel
 
 from serving.aligned_head import AlignedHead, HeadCache, load_head
 from serving.drafters.base import EMPTY, Draft
+from serving.drafters.dynamic_tree import Children, TreeNode, grow_tree, top_children
 from serving.sampling import logits_to_probs, sample
 from serving.types import SamplingParams
 
 ALIGNED_KINDS = ("aligned_head", "aligned_head_tree")  # drafter kinds: chain, dynamic tree
-
-
-@dataclass
-class _Node:
-    token: int  # target id
-    parent: int  # node index, -1 for a child of the last committed token
-    depth: int  # 1 for children of the last committed token
-    score: float  # cumulative draft log-probability
 
 
 class AlignedHeadDrafter:
@@ -136,56 +124,25 @@ class AlignedHeadDrafter:
         # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
 
-    def _children(self, token_branch: torch.Tensor) -> list[list[tuple[int, float]]]:
+    def _children(self, token_branch: torch.Tensor) -> list[Children]:
         """Per position of token_branch [n, H]: its top-K next tokens (target ids) with their draft
         log-probabilities. One head matmul for all n positions of a tree level."""
         logprobs = self._logits(token_branch).float().log_softmax(-1)
-        top = logprobs.topk(min(self.tree_top_k, logprobs.shape[-1]), dim=-1)
-        ids, scores = self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
-        return [list(zip(row_ids, row_scores, strict=True)) for row_ids, row_scores in zip(ids, scores, strict=True)]
+        return top_children(logprobs, self.tree_top_k, self.head.to_target_ids)
 
     def _tree(self, max_depth: int) -> Draft:
-        """EAGLE-2 dynamic tree (see the module docstring)."""
+        """EAGLE-2 dynamic tree (serving.drafters.dynamic_tree)."""
         token_branch, feature = self.last
-        nodes = [_Node(t, -1, 1, s) for t, s in self._children(token_branch[0, -1:])[0]]
-        entry: dict[int, int] = {}  # node -> its index in the head's cache, once expanded
-        verified = self.cache.length
         features = {-1: feature[0, -1]}  # node -> feature output (the parent input of its children)
-        for depth in range(1, max_depth):
-            level = [i for i, node in enumerate(nodes) if node.depth == depth]
-            expand = heapq.nlargest(self.tree_top_k, level, key=lambda i: nodes[i].score)
-            if not expand:
-                break
-            visible = torch.zeros(len(expand), self.cache.length + len(expand), dtype=torch.bool)
-            visible[:, :verified] = True
-            for row, i in enumerate(expand):
-                parent = nodes[i].parent
-                while parent >= 0:  # ancestors were expanded at earlier depths
-                    visible[row, entry[parent]] = True
-                    parent = nodes[parent].parent
-                entry[i] = self.cache.length + row
-                visible[row, entry[i]] = True
-            inputs = torch.stack([features[nodes[i].parent] for i in expand])[None]  # [1, K, H]
-            token_branch, feature = self._run(inputs, [nodes[i].token for i in expand], depth, visible)
-            for row, (i, children) in enumerate(zip(expand, self._children(token_branch[0]), strict=True)):
-                features[i] = feature[0, row]
-                nodes.extend(_Node(t, i, depth + 1, nodes[i].score + s) for t, s in children)
-        return self._select(nodes)
 
-    def _select(self, nodes: list[_Node]) -> Draft:
-        """The tree_nodes best nodes; a parent scores at least as high as its children and sorts
-        first on ties (shallower), so taking nodes in this order keeps every parent."""
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
-        chosen: set[int] = set()
-        for i in order:
-            if len(chosen) == self.tree_nodes:
-                break
-            if nodes[i].parent < 0 or nodes[i].parent in chosen:
-                chosen.add(i)
-        kept = sorted(chosen, key=lambda i: (nodes[i].depth, i))  # topological: parents first
-        index = {node: position for position, node in enumerate(kept)}
-        return Draft(tokens=[nodes[i].token for i in kept],
-                     parents=[index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in kept])
+        def expand(nodes: list[TreeNode], chosen: list[int], visible: torch.Tensor, depth: int) -> list[Children]:
+            inputs = torch.stack([features[nodes[i].parent] for i in chosen])[None]  # [1, K, H]
+            token_branch, feature = self._run(inputs, [nodes[i].token for i in chosen], depth, visible)
+            features.update((i, feature[0, row]) for row, i in enumerate(chosen))
+            return self._children(token_branch[0])
+
+        return grow_tree(self._children(token_branch[0, -1:])[0], expand, max_depth, self.tree_top_k,
+                         self.tree_nodes, self.cache.length)
 
 
 def load_aligned_drafter(path: str | Path, target_model: PreTrainedModel, tree_nodes: int = 0,

@@ -3,6 +3,11 @@
 With an acceptance head (SpecDec++, arXiv 2405.19715) it can end a draft early: `propose` then
 scores each drafted token and asks a `stop` rule whether to go on.
 
+As `draft-lm-tree` it grows EAGLE-2's dynamic tree (serving.drafters.dynamic_tree) instead of a chain:
+a level's best nodes run through the draft in one masked forward pass, and the target verifies the tree
+in one pass too. The first draft token is the target's top-1 far more often among the draft's top-4
+than as its top-1 alone (SpecInfer's and Sequoia's case for token trees from small LMs).
+
 With a draft vocabulary (FR-Spec, arXiv 2502.14856; train_draft.draft_vocab_size) the draft proposes
 only the N most frequent tokens of its training data: its LM head runs on those N rows. On a CPU the
 full 49k-row head of a SmolLM2-sized draft is most of a draft step. The other tokens get logit -inf, so
@@ -22,8 +27,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from serving.acceptance_head import AcceptanceHead
 from serving.drafters.base import Draft, TokenStop
+from serving.drafters.dynamic_tree import Children, TreeNode, grow_tree, top_children
 from serving.kv import CachedLM
 from serving.sampling import expand_draft_vocab, logits_to_probs, sample
+from serving.small_batch_linear import use_small_batch_linear
 from serving.types import SamplingParams
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -44,11 +51,18 @@ def load_draft_vocab(model_dir: Path | str) -> torch.Tensor | None:
 
 
 def load_draft_model(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A draft LM folder's model in eval mode (the full head kept, so Hugging Face code can use it)."""
+    """A draft LM folder's model in eval mode (the full head kept, so Hugging Face code can use it).
+
+    In float32 its linear layers are serving.small_batch_linear's, as the target's are: a tree level
+    runs a few rows through the draft, and HF assisted generation loads the draft here too, so every
+    method in a benchmark drafts on the same kernels."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"Draft model folder {model_dir} has no config.json; pass a Hugging Face model folder.")
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if dtype == torch.float32:
+        use_small_batch_linear(model)
+    return model
 
 
 def load_draft(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, torch.Tensor | None]:
@@ -73,10 +87,10 @@ def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[
 
 
 class DraftLMDrafter:
-    name = "draft-lm"
-
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, head: AcceptanceHead | None = None,
-                 vocab: torch.Tensor | None = None) -> None:
+                 vocab: torch.Tensor | None = None, tree_nodes: int = 0, tree_top_k: int = 4) -> None:
+        """tree_nodes = 0 drafts chains; > 0 drafts a dynamic tree of at most that many nodes (EAGLE-2's,
+        serving.drafters.dynamic_tree), whose depth is propose's k."""
         draft_vocab = model.get_output_embeddings().weight.shape[0]
         if draft_vocab != target_vocab_size:
             raise VocabularyMismatchError(
@@ -87,10 +101,17 @@ class DraftLMDrafter:
                              f"draft model's are {model.config.hidden_size}: it was trained for another draft.")
         if vocab is not None and (vocab.numel() == 0 or int(vocab.max()) >= target_vocab_size):
             raise VocabularyMismatchError(f"The draft vocabulary must be non-empty target ids below {target_vocab_size}.")
+        if tree_nodes < 0 or tree_top_k < 1:
+            raise ValueError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {tree_nodes}, {tree_top_k}.")
+        if tree_nodes and head is not None:
+            raise ValueError("An acceptance head stops chains; the draft-lm-tree drafter grows trees without one.")
+        self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
+        self.name = "draft-lm-tree" if tree_nodes else "draft-lm"
         self.model = model.eval()
         self.head = head.eval() if head is not None else None
         self.vocab = vocab
         self.lm_head = draft_head(model, vocab)
+        self.head_rows = None if vocab is None else model.get_output_embeddings().weight[vocab].detach()
         self.lm = CachedLM(self.model)
         self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache
 
@@ -128,6 +149,8 @@ class DraftLMDrafter:
         if stop is not None and self.head is None:
             raise ValueError("A per-token stop rule needs an acceptance head; load one into the draft-lm drafter.")
         feed = self._sync(context)
+        if self.tree_nodes and k > 0:
+            return self._tree(feed, k)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         accept_probs: list[float] = []
@@ -148,3 +171,28 @@ class DraftLMDrafter:
             feed = [token]
         # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None, accept_probs=accept_probs if stop else None)
+
+    def _children(self, hidden: torch.Tensor) -> list[Children]:
+        """Top-K children (target ids, draft log-probabilities) of each position of hidden [n, H]. Over a
+        draft vocabulary the softmax runs on its N rows alone: the same log-probabilities as over the
+        whole vocabulary with -inf elsewhere, without building [n, V] rows per tree level."""
+        if self.vocab is None:
+            return top_children(self.lm_head(hidden).float().log_softmax(-1), self.tree_top_k)
+        logprobs = F.linear(hidden, self.head_rows).float().log_softmax(-1)  # [n, N]
+        return top_children(logprobs, self.tree_top_k, lambda columns: self.vocab[columns])
+
+    def _tree(self, feed: list[int], max_depth: int) -> Draft:
+        """Feed the new context tokens, then grow the dynamic tree; drafted positions leave the cache."""
+        root_hidden = self.lm.forward_final_hidden(feed)[-1]
+        self.cached += feed
+        verified = self.lm.length  # == len(context): a depth-d node sits at position verified + d - 1
+
+        def expand(nodes: list[TreeNode], chosen: list[int], visible: torch.Tensor, depth: int) -> list[Children]:
+            hidden = self.lm.forward_final_hidden([nodes[i].token for i in chosen], verified + depth - 1, visible)
+            return self._children(hidden)
+
+        try:
+            return grow_tree(self._children(root_hidden[None])[0], expand, max_depth, self.tree_top_k,
+                             self.tree_nodes, verified)
+        finally:
+            self.lm.crop(verified)

@@ -89,7 +89,7 @@ def test_sampling_runs_and_stops(target, kind):
 def test_trained_head_serves_from_a_bundle(trained, chat_target, tmp_path):
     cfg, _ = trained
     bundle = write_bundle(tmp_path / "bundle", drafter_dir=cfg.out_dir, drafter_kind="aligned_head_tree",
-                          serving={"draft_tokens": 3, "aligned_tree_nodes": 6}, target_source="in-memory",
+                          serving={"draft_tokens": 3, "tree_nodes": 6}, target_source="in-memory",
                           target_dtype="float32", fingerprint=chat_target.fingerprint, metrics={})
     text = generator_from_bundle(bundle, chat_target)
     assert text.drafter.tree_nodes == 6 and text.drafter.hidden_layers == [0, 1]

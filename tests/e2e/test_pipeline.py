@@ -28,7 +28,8 @@ TINY_PARAMS = {
     "train_aligned": {"draft_vocab_size": 32, "batch_size": 4, "epochs": 1, "max_seq_len": 64},
     "train_acceptance": {"epochs": 2},
     "evaluate": {"n_prompts": 3, "max_new_tokens": 8,
-                 "methods": ["hybrid@4", "draft-lm@2", "draft-lm+specdecpp@3", "aligned_head@2", "aligned_head_tree@4"]},
+                 "methods": ["hybrid@4", "draft-lm@2", "draft-lm+specdecpp@3", "draft-lm-tree@4", "aligned_head@2",
+                             "aligned_head_tree@4"]},
 }
 
 

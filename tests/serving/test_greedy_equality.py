@@ -28,6 +28,8 @@ def make_drafters(target, draft_model):
         "hybrid": RecyclingDrafter(vocab, num_nodes=6, lookup=PromptLookupDrafter(max_ngram=2)),
         "draft-lm": DraftLMDrafter(draft_model, vocab),
         "self-draft": DraftLMDrafter(target.model, vocab),  # every draft accepted: exercises the bonus path
+        "draft-lm-tree": DraftLMDrafter(draft_model, vocab, tree_nodes=8, tree_top_k=3),
+        "self-draft-tree": DraftLMDrafter(target.model, vocab, tree_nodes=6, tree_top_k=2),
     }
 
 

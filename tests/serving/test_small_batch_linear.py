@@ -66,3 +66,16 @@ def test_greedy_speculation_stays_identical_on_swapped_models(tokenizer):
     for prompt in ([5, 17, 33, 17, 33, 40], list(range(10, 40))):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
         assert generator.generate(prompt, 30).token_ids == want
+
+
+def test_a_float32_draft_folder_loads_on_the_same_kernels_as_the_target(draft_dir, draft_model):
+    from serving.drafters.draft_lm import load_draft_model
+
+    fp32 = load_draft_model(draft_dir)
+    linears = [m for m in fp32.modules() if isinstance(m, (nn.Linear, SmallBatchLinear))]
+    assert linears and all(isinstance(m, SmallBatchLinear) for m in linears)
+    ids = torch.tensor([[5, 17, 33, 40]])
+    with torch.no_grad():
+        torch.testing.assert_close(fp32(ids).logits, draft_model(ids).logits, atol=1e-5, rtol=1e-5)
+    bf16 = load_draft_model(draft_dir, torch.bfloat16)  # the fast paths are float32 only
+    assert not any(isinstance(m, SmallBatchLinear) for m in bf16.modules())
