@@ -221,9 +221,10 @@ def register(params: Params) -> None:
     from serving.acceptance_head import HEAD_COMPONENT
     from serving.benchmark import parse_method
     from serving.bundle import write_bundle
-    from serving.factory import ALIGNED_KINDS, DRAFT_LM_KINDS
+    from serving.factory import ALIGNED_KINDS
     from serving.policies import HEAD_POLICIES
     from serving.target import load_tokenizer
+    from serving.types import DRAFT_LM_KINDS
     from training.acceptance import TrainAcceptanceConfig
 
     cfg = section(params, RegisterConfig, "register")

@@ -22,6 +22,7 @@ from serving.drafters.aligned import ALIGNED_KINDS
 from serving.factory import (
     DRAFTER_KINDS,
     POLICY_DRAFTERS,
+    TREE_DRAFTERS,
     DecodingConfig,
     build_drafter,
     build_policy,
@@ -71,7 +72,7 @@ def parse_method(spec: str, default_tokens: int) -> tuple[str, DecodingConfig]:
     config = DecodingConfig(drafter=kind, verifier="greedy", draft_tokens=default_tokens, policy=policy or "fixed")
     if size and kind in ("recycling", "hybrid"):
         config.recycling_nodes = int(size)
-    elif size and kind in ("aligned_head_tree", "draft-lm-tree"):  # tree nodes; their depth is draft_tokens
+    elif size and kind in TREE_DRAFTERS:  # tree nodes; their depth is draft_tokens
         config.tree_nodes = int(size)
     elif size:
         config.draft_tokens = int(size)

@@ -30,6 +30,8 @@ from serving.target import Target, encode_prompt, load_target
 from serving.types import DRAFT_LM_KINDS, SamplingParams
 
 DRAFTER_KINDS = ("none", "prompt-lookup", "recycling", "hybrid", "draft-lm", "draft-lm-tree") + ALIGNED_KINDS
+# Dynamic-tree drafters: their @SIZE is DecodingConfig.tree_nodes, their depth limit draft_tokens.
+TREE_DRAFTERS = ("draft-lm-tree", "aligned_head_tree")
 # Chain drafters whose length a draft length policy other than "fixed" may set (goodput's cost model
 # times the draft LM; prompt lookup costs next to nothing).
 POLICY_DRAFTERS = ("prompt-lookup", "draft-lm")
@@ -82,12 +84,12 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, draft_model
             raise ValueError(f"The {kind} drafter needs a draft model folder (--draft-model PATH).")
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
         model, vocab = load_draft(draft_model_path, target.model.dtype)  # bf16 halves the draft's cost too
-        nodes = config.tree_nodes if kind == "draft-lm-tree" else 0
+        nodes = config.tree_nodes if kind in TREE_DRAFTERS else 0
         return DraftLMDrafter(model, target.vocab_size, head, vocab, nodes, config.tree_top_k)
     if kind in ALIGNED_KINDS:
         if draft_model_path is None:
             raise ValueError(f"The {kind} drafter needs an aligned head folder (--aligned-head PATH).")
-        nodes = config.tree_nodes if kind == "aligned_head_tree" else 0
+        nodes = config.tree_nodes if kind in TREE_DRAFTERS else 0
         return load_aligned_drafter(draft_model_path, target.model, nodes, config.tree_top_k)
     raise ValueError(f"Unknown drafter '{kind}'. Choose one of: {', '.join(DRAFTER_KINDS)}.")
 

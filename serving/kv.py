@@ -10,22 +10,25 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility [rows, keys] -> the additive 4D attention mask [1, 1, rows, keys] HF models take."""
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
 def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [1, 1, n+1, past+n+1] for the root (the last committed token) plus n tree nodes.
 
     Every row sees the whole cached prefix; node i sees the root, its ancestors and itself.
     """
     n = len(parents)
-    visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    visible[:, 0] = True
+    visible = torch.zeros(n + 1, past + n + 1, dtype=torch.bool)
+    visible[:, : past + 1] = True  # the cached prefix and the root
     for node, parent in enumerate(parents):
         row = node + 1
         if parent >= 0:
             visible[row] = visible[parent + 1]
-        visible[row, row] = True
-    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype)
-    mask[0, 0, :, past:] = torch.where(visible, 0.0, torch.finfo(dtype).min)
-    return mask
+        visible[row, past + row] = True
+    return additive_mask(visible, dtype)
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -88,8 +91,7 @@ class CachedLM:
         """
         kwargs = {}
         if visible is not None:
-            dtype = self.model.dtype
-            kwargs["attention_mask"] = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+            kwargs["attention_mask"] = additive_mask(visible, self.model.dtype)
             kwargs["position_ids"] = torch.full((1, len(token_ids)), position)
         out = self.model.base_model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, **kwargs)
         return out.last_hidden_state[0]

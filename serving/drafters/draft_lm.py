@@ -111,7 +111,6 @@ class DraftLMDrafter:
         self.head = head.eval() if head is not None else None
         self.vocab = vocab
         self.lm_head = draft_head(model, vocab)
-        self.head_rows = None if vocab is None else model.get_output_embeddings().weight[vocab].detach()
         self.lm = CachedLM(self.model)
         self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache
 
@@ -173,13 +172,9 @@ class DraftLMDrafter:
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None, accept_probs=accept_probs if stop else None)
 
     def _children(self, hidden: torch.Tensor) -> list[Children]:
-        """Top-K children (target ids, draft log-probabilities) of each position of hidden [n, H]. Over a
-        draft vocabulary the softmax runs on its N rows alone: the same log-probabilities as over the
-        whole vocabulary with -inf elsewhere, without building [n, V] rows per tree level."""
-        if self.vocab is None:
-            return top_children(self.lm_head(hidden).float().log_softmax(-1), self.tree_top_k)
-        logprobs = F.linear(hidden, self.head_rows).float().log_softmax(-1)  # [n, N]
-        return top_children(logprobs, self.tree_top_k, lambda columns: self.vocab[columns])
+        """Top-K children (target ids, draft log-probabilities) of each position of hidden [n, H]; outside
+        a draft vocabulary the logits are -inf, so children come from it alone."""
+        return top_children(self.lm_head(hidden).float().log_softmax(-1), self.tree_top_k)
 
     def _tree(self, feed: list[int], max_depth: int) -> Draft:
         """Feed the new context tokens, then grow the dynamic tree; drafted positions leave the cache."""
