@@ -12,7 +12,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean visibility [rows, keys] -> the additive 4D attention mask [1, 1, rows, keys] HF models take."""
-    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+    # masked_fill, not torch.where with a Python scalar: finfo(float64).min does not fit the float32 scalar.
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,18 @@
 """Draft length policies: how many tokens to draft each step.
 
-A policy only changes how much is drafted, never what is accepted, so every policy is as lossless
-as the verifier it runs with. The loop asks `draft_length()` before each step and reports
-`update(drafted, accepted)` after verifying it; `reset()` starts a new request. A policy with a
-`stop` rule (SpecDec++) also decides inside the draft, token by token, through the drafter.
+A policy only changes how much is drafted, never what is accepted. That keeps it as lossless as
+the verifier it runs with only while the decision to draft (and verify) token X_i depends on X_<i
+alone: rejection sampling and block verification are exact for a draft length that is a stopping
+time of the draft, not for one that looks at X_i before deciding whether X_i is verified. So:
+  * `draft_length()` is fixed before the step drafts anything;
+  * a `stop` rule (SpecDec++) is asked after each drafted token X_i whether to draft X_{i+1}; the
+    token it stopped on is still verified, so the decision about X_i never depends on X_i;
+  * a `trim` rule, which picks after the draft how many tokens to verify from each token's own
+    predicted acceptance, would select X_i by its value. The loop applies it at temperature 0 only,
+    where the output is the target's argmax chain whatever is verified; when sampling, goodput_head
+    runs as its stop rule alone (tests/serving/test_loop_distribution.py shows the trim biases it).
+The loop asks `draft_length()` before each step and reports `update(drafted, accepted)` after
+verifying it; `reset()` starts a new request.
 
   fixed      k tokens every step.
   heuristic  Hugging Face's assisted-generation schedule: start at k, +2 after a step whose draft
@@ -20,11 +29,9 @@ as the verifier it runs with. The loop asks `draft_length()` before each step an
              SmartSpec's objective on SpecDec++'s per-token predictions: the acceptance head scores
              each drafted token, drafting goes on while one more token (assumed as likely to pass as
              the last) raises the step's expected goodput, and then only the prefix with the best
-             goodput is verified, which may be none of it (a plain decoding step). Unlike the two
-             above, it can decline to speculate where the draft is unlikely to be right, which is
-             where a weak draft loses time.
-
-A policy with a `trim` rule (goodput_head) also picks, after the draft, how many of its tokens to verify.
+             goodput is verified, which may be none of it (a plain decoding step); that trim is
+             greedy-only (see above). Unlike the two above, it can decline to speculate where the
+             draft is unlikely to be right, which is where a weak draft loses time.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
 class DraftLengthPolicy(Protocol):
     name: str
     stop: TokenStop | None  # a per-token stop rule for drafters with an acceptance head, or None
-    trim: TokenTrim | None  # how many drafted tokens to verify, from their P(accept); None verifies all
+    trim: TokenTrim | None  # greedy only: how many drafted tokens to verify, from their P(accept); None verifies all
 
     def reset(self) -> None:
         """A new request starts."""

@@ -103,7 +103,11 @@ class SpeculativeGenerator:
                 k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
                 tick = time.perf_counter()
                 draft = self._propose(context, k, sampling, generator)
-                if self.policy.trim is not None and draft.accept_probs:
+                if self.policy.trim is not None and draft.accept_probs and sampling.greedy:
+                    # Greedy only: a trim looks at each token's predicted acceptance, which depends on
+                    # the token itself, so when sampling it would choose which X_i get verified from
+                    # X_i's value and bias the output (see serving/policies.py). Greedy output is the
+                    # target's argmax chain whatever is verified, so there it only saves time.
                     draft = draft.prefix(self.policy.trim(draft.accept_probs))
                 tock = time.perf_counter()
                 accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)

@@ -80,20 +80,28 @@ def verify_block(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     w = torch.ones(k + 1, dtype=p.dtype)
     for i in range(1, k + 1):
         w[i] = torch.clamp(w[i - 1] * ratio[i - 1], max=1.0)
-    h = torch.ones(k + 1, dtype=p.dtype)
-    if k > 1:
-        z = (w[1:k, None] * p[1:k] - q_dense[1:k]).clamp_min(0).sum(-1)  # [k-1]
-        denom = z + 1 - w[1:k]
-        # denom == 0 only when w_i = 1 and P[i] = Q[i]: nothing can be lost by continuing, so h_i = 1.
-        h[1:k] = torch.where(denom > 0, z / denom.clamp_min(torch.finfo(p.dtype).tiny), torch.ones_like(z))
-    if k > 0:
-        h[k] = w[k]
+    h = block_continue_probs(w, p, q_dense)
     eta = torch.rand(k, generator=generator, dtype=p.dtype)
     passed = torch.nonzero(eta <= h[1:]).flatten()
     tau = int(passed[-1]) + 1 if passed.numel() else 0
     if tau == k:
         return tau, sample(p[k], generator)
     return tau, _sample_positive_part(w[tau] * p[tau], q_dense[tau], p[tau], generator)
+
+
+def block_continue_probs(w: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Block verification's h [k+1] from w [k+1], p [k+1, V] and dense q [k, V] (steps 2 of verify_block):
+    h_0 = 1, h_i = Z_i / (Z_i + 1 - w_i) with Z_i = sum_x max(w_i P[i](x) - Q[i](x), 0) for 0 < i < k, h_k = w_k."""
+    k = q.shape[0]
+    h = torch.ones(k + 1, dtype=p.dtype)
+    if k > 1:
+        z = (w[1:k, None] * p[1:k] - q[1:k]).clamp_min(0).sum(-1)  # [k-1]
+        denom = z + 1 - w[1:k]
+        # denom == 0 only when w_i = 1 and P[i] = Q[i]: nothing can be lost by continuing, so h_i = 1.
+        h[1:k] = torch.where(denom > 0, z / denom.clamp_min(torch.finfo(p.dtype).tiny), torch.ones_like(z))
+    if k > 0:
+        h[k] = w[k]
+    return h
 
 
 VERIFIERS: dict[str, ChainRule] = {
