@@ -9,7 +9,7 @@ the target's verification pass and the loop around it. A tree of n nodes verifie
 accepts at most its depth plus one, so the chain at k = n bounds it too.
 
 Every method runs interleaved with plain decoding on the same prompts in one process
-(serving.benchmark), and must stay token-identical to it. Writes the grid as JSON and a plot of
+(specops.eval.benchmark), and must stay token-identical to it. Writes the grid as JSON and a plot of
 speedup against draft length, one line per acceptance, with a reference line (`--bar`).
 
     .venv/bin/python benchmarks/ceiling.py --n 6 --max-new-tokens 64 --out benchmarks/results/ceiling.json
@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from serving.benchmark import BenchConfig, run_benchmark_ids
-from serving.datasets import bench_prompts
-from serving.drafters.base import EMPTY, Draft, PassiveDrafter
-from serving.speculative import SpeculativeGenerator
-from serving.target import DEFAULT_TARGET, DTYPES, Target, encode_prompt, load_target
-from serving.types import SamplingParams
+from specops.core.drafter import EMPTY, Draft, DrafterBase, TokenStop, refuse_stop
+from specops.core.loop import SpeculativeGenerator
+from specops.core.target import DEFAULT_TARGET, DTYPES, Target, encode_prompt, load_target
+from specops.core.types import SamplingParams
+from specops.data.datasets import bench_prompts
+from specops.eval.benchmark import BenchConfig, run_benchmark_ids
 
 log = logging.getLogger("specops.ceiling")
 
 
-class OracleDrafter(PassiveDrafter):
+class OracleDrafter(DrafterBase):
     """Proposes the known continuation of whichever reference sequence the context is a prefix of."""
 
     name = "oracle"
@@ -50,7 +50,8 @@ class OracleDrafter(PassiveDrafter):
         self.rng = random.Random(seed)
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Draft:
+                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+        refuse_stop(self, stop)
         n = len(context)
         for reference in self.references:
             if len(reference) > n and reference[:n] == context:

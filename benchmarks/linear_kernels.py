@@ -1,7 +1,7 @@
-"""Stock `F.linear` against serving.small_batch_linear on the real target, side by side in one run.
+"""Stock `F.linear` against specops.core.small_batch_linear on the real target, side by side in one run.
 
 For each kernel set: the median time of one cached target pass over 1..8 tokens (what verifying a
-draft of 0..7 tokens costs, serving/cost_model.py), and HF `generate` tokens/s on a few test prompts.
+draft of 0..7 tokens costs, specops/core/cost_model.py), and HF `generate` tokens/s on a few test prompts.
 It also checks that greedy `generate` gives the same tokens with both kernel sets.
 
     .venv/bin/python benchmarks/linear_kernels.py --threads 1 --out benchmarks/results/linear_kernels.json
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from serving.cost_model import measure_cost_model
-from serving.datasets import bench_prompts
-from serving.small_batch_linear import use_small_batch_linear
-from serving.target import encode_prompt, load_target
+from specops.core.cost_model import measure_cost_model
+from specops.core.small_batch_linear import use_small_batch_linear
+from specops.core.target import encode_prompt, load_target
+from specops.data.datasets import bench_prompts
 
 SIZES = (1, 2, 3, 4, 5, 6, 8)
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import httpx
 
-from serving.datasets import bench_prompts
+from specops.data.datasets import bench_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 # `specops serve` without depending on how the main CLI is wired: register() then the command's func.
-CLI = ("import argparse, logging; from serving.commands import register; logging.basicConfig(level=logging.WARNING); "
+CLI = ("import argparse, logging; from specops.server.commands import register; logging.basicConfig(level=logging.WARNING); "
        "p = argparse.ArgumentParser(); register(p.add_subparsers(dest='command', required=True)); "
        "a = p.parse_args(); a.func(a)")
 READY_TIMEOUT_S = 300.0  # two SmolLM2 servers loading at once on 2 cores
@@ -162,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--requests", type=int, default=40, help="requests per phase (one phase = drafter x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--dataset", default="humaneval", help="humaneval, sharegpt or a JSONL file (serving.datasets)")
+    parser.add_argument("--dataset", default="humaneval", help="humaneval, sharegpt or a JSONL file (specops.data.datasets)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per server (0: torch's default, one per core); 1 avoids stalls when "
                              "other work holds a core")

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import yaml
 
-from serving.datasets import read_humaneval
+from specops.data.datasets import read_humaneval
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "osd-shift-drafter"
@@ -67,7 +67,7 @@ def specops(args: list[str], cwd: Path, log: Path) -> subprocess.CompletedProces
     """Run the specops CLI in a subprocess; its output goes to `log`, and a failure shows its tail."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log, "ab") as handle:
-        result = subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, env=env, stdout=handle,
+        result = subprocess.run([sys.executable, "-m", "specops.cli", *args], cwd=cwd, env=env, stdout=handle,
                                 stderr=subprocess.STDOUT)
     if result.returncode != 0:
         raise RuntimeError(f"`specops {' '.join(args)}` failed ({result.returncode}); see {log}:\n"
@@ -125,9 +125,9 @@ def setup(args: argparse.Namespace, workdir: Path) -> str:
 
 
 def register_champion(args: argparse.Namespace, workdir: Path) -> str:
-    from pipelines.registry import register_bundle, tracking_setup
-    from serving.bundle import write_bundle
-    from serving.target import load_tokenizer
+    from specops.core.target import load_tokenizer
+    from specops.pipeline.registry import register_bundle, tracking_setup
+    from specops.server.bundle import write_bundle
 
     _, fingerprint = load_tokenizer(args.target)
     training = json.loads((workdir / "metrics" / "train_draft.json").read_text())
@@ -147,7 +147,7 @@ def reset_round(workdir: Path, version: str) -> None:
     """Start from the ShareGPT-only champion with an empty feedback log and no OSD state."""
     from mlflow import MlflowClient
 
-    from pipelines.registry import tracking_setup
+    from specops.pipeline.registry import tracking_setup
 
     tracking_setup(f"sqlite:///{workdir / 'mlflow.db'}")
     MlflowClient().set_registered_model_alias(MODEL, "champion", version)
@@ -156,7 +156,7 @@ def reset_round(workdir: Path, version: str) -> None:
 
 
 def start_server(extra: list[str], port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipelines.cli", "serve", "--port", str(port), "--timeout-s", "3600", *extra]
+    command = [sys.executable, "-m", "specops.cli", "serve", "--port", str(port), "--timeout-s", "3600", *extra]
     with open(log, "wb") as handle:
         return subprocess.Popen(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=handle,
                                 stderr=subprocess.STDOUT)

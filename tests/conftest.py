@@ -54,7 +54,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="session")
 def target(tokenizer):
-    from serving.target import target_from_model
+    from specops.core.target import target_from_model
 
     return target_from_model(tiny_llama(seed=0), tokenizer, name="tiny-target")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specops.drafters.kinds import MethodSpec
 from tests.conftest import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +50,7 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def project(tmp_path_factory) -> Path:
     """A fresh project: our dvc.yaml and params.yaml with tiny sizes, a tiny target, temp MLflow and DVC remote."""
     root = tmp_path_factory.mktemp("project")
-    for folder in ("serving", "training", "pipelines"):  # dvc.yaml's code deps
-        shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "specops", root / "specops", ignore=shutil.ignore_patterns("__pycache__"))  # dvc.yaml's code deps
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
     tiny_llama(seed=0, max_positions=128).save_pretrained(root / "target")
     tiny_tokenizer().save_pretrained(root / "target")
@@ -89,7 +89,7 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
     decision = json.loads((project / "metrics" / "promotion.json").read_text())
     assert decision["passed"], decision
     evaluation = json.loads((project / "metrics" / "eval.json").read_text())
-    assert evaluation["default"]["method"].partition("@")[0].partition("+")[0] in params_of(project)["evaluate"][
+    assert MethodSpec.parse(evaluation["default"]["method"]).kind in params_of(project)["evaluate"][
         "bundle_drafters"]
     assert all(row["identical_to_ar"] for row in evaluation["methods"].values())
     assert (project / "metrics" / "plots" / "speedup.png").stat().st_size > 0
@@ -102,6 +102,11 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
 
 
 def test_second_repro_does_nothing_and_push_pull_work(project, first_repro):
+    again = run(["dvc", "repro"], project)
+    assert "Running stage" not in again.stdout, again.stdout
+    # A server-only edit reruns no stage: no stage's deps list the server's modules.
+    with open(project / "specops" / "server" / "app.py", "a") as handle:
+        handle.write("\n# an edit that only the server sees\n")
     again = run(["dvc", "repro"], project)
     assert "Running stage" not in again.stdout, again.stdout
     run(["dvc", "push"], project)

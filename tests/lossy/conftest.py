@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.arbitrage import DEFAULT_MAX_STEP_TOKENS
-from serving.router import LinearRouter, RouterConfig
+from specops.lossy.arbitrage import DEFAULT_MAX_STEP_TOKENS
+from specops.lossy.router import LinearRouter, RouterConfig
 
 # "w1" occurs in w1 and w10..w19: about one token in nine ends a step of the tiny vocabulary.
 DELIMITER = "w1"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.arbitrage import ArbitrageGenerator, RouterDecision, boundary_ids
-from serving.greedy_lm import GreedyLM
-from serving.router import LinearRouter
+from specops.lossy.arbitrage import ArbitrageGenerator, RouterDecision, boundary_ids
+from specops.lossy.greedy_lm import GreedyLM
+from specops.lossy.router import LinearRouter
+from specops.train.mine_arbitrage import OracleDecision, StepOracle
 from tests.lossy.conftest import DELIMITER
-from training.arbitrage import OracleDecision, StepOracle
 
 PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7]]
 EOS = 2

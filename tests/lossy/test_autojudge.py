@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.autojudge import JudgeGenerator, verify_judge
-from serving.drafters.base import Draft
-from serving.drafters.draft_lm import DraftLMDrafter
-from serving.router import LinearRouter
-from serving.speculative import GREEDY, SpeculativeGenerator
-from serving.verify import verify_greedy
+from specops.core.drafter import Draft, DrafterBase
+from specops.core.loop import GREEDY, SpeculativeGenerator
+from specops.core.verify import verify_greedy
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.lossy.autojudge import JudgeGenerator, verify_judge
+from specops.lossy.router import LinearRouter
 
 PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7]]
 
@@ -83,8 +83,8 @@ def test_judge_refuses_a_router_for_other_models(target, draft_model, router):
 
 
 def test_judge_is_greedy_only(target, draft_model, router):
-    from serving.speculative import GenerationRequestError
-    from serving.types import SamplingParams
+    from specops.core.loop import GenerationRequestError
+    from specops.core.types import SamplingParams
 
     with pytest.raises(GenerationRequestError, match="greedily"):
         JudgeGenerator(target, draft_model, router, 0.5).generate([5, 6], 4, SamplingParams(temperature=0.7))
@@ -96,19 +96,13 @@ def test_judge_never_accepts_a_draft_eos_the_target_does_not_choose(target, draf
     judge = JudgeGenerator(target, draft_model, router, threshold=1.01, draft_tokens=k)
     eos = next(iter(target.eos_token_ids))
 
-    class EndingDrafter:
+    class EndingDrafter(DrafterBase):
         name = "draft-lm"
         hidden = torch.zeros(k, draft_model.config.hidden_size)
 
-        def reset(self) -> None:
-            pass
-
-        def propose(self, context, n, sampling, generator):
+        def propose(self, context, n, sampling, generator, stop=None):
             self.hidden = torch.zeros(n, draft_model.config.hidden_size)
             return Draft(tokens=[eos] * n)
-
-        def observe(self, tokens, logits) -> None:
-            pass
 
     judge.drafter = EndingDrafter()
     for prompt in PROMPTS:

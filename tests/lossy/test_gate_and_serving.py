@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.gate import GateConfig, decide
-from serving.drafters.draft_lm import DraftLMDrafter
-from serving.factory import DecodingConfig, TextGenerator
-from serving.lossy import LossyModels
-from serving.router import RouterLoadError
-from serving.target import target_from_model
+from specops.core.target import target_from_model
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.kinds import DecodingConfig
+from specops.eval.gate import GateConfig, decide
+from specops.lossy.modes import LossyModels
+from specops.lossy.router import RouterLoadError
+from specops.server.generator import TextGenerator
 from tests.conftest import tiny_llama
 
 POINT = {"threshold": 0.5, "speedup_vs_ar": 1.6, "speedup_vs_lossless": 1.2, "quality": 0.78, "quality_drop": 0.05,
@@ -18,7 +19,7 @@ POINT = {"threshold": 0.5, "speedup_vs_ar": 1.6, "speedup_vs_lossless": 1.2, "qu
 
 
 def test_gate_refuses_a_lossy_default_that_loses_too_much_quality():
-    from pipelines.lossy_eval import gate_snapshot
+    from specops.eval.lossy_eval import gate_snapshot
 
     report = {"autojudge": [POINT, {**POINT, "threshold": 0.1, "quality_drop": 0.004}]}
     lenient = GateConfig(require_lossless=False, max_quality_drop=0.01)

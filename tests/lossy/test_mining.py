@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from serving.arbitrage import boundary_ids, step_features
-from serving.greedy_lm import GreedyLM
+from specops.lossy.arbitrage import boundary_ids, step_features
+from specops.lossy.greedy_lm import GreedyLM
+from specops.train.mine_arbitrage import StepOracle, mine_steps
+from specops.train.mine_autojudge import mine_mismatches
 from tests.lossy.conftest import DELIMITER
-from training.arbitrage import StepOracle, mine_steps
-from training.autojudge import mine_mismatches
 
 PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7, 8]]
 EOS = 2

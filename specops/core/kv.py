@@ -1,0 +1,124 @@
+"""A causal LM plus its KV cache for one sequence: prefill, chain or tree forward, rollback.
+
+The cache always holds every committed token but the last; rollback crops or compacts it so the
+prefix is never recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility [rows, keys] -> the additive 4D attention mask [1, 1, rows, keys] HF models take."""
+    # masked_fill, not torch.where with a Python scalar: finfo(float64).min does not fit the float32 scalar.
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [1, 1, n+1, past+n+1] for the root (the last committed token) plus n tree nodes.
+
+    Every row sees the whole cached prefix; node i sees the root, its ancestors and itself.
+    """
+    n = len(parents)
+    visible = torch.zeros(n + 1, past + n + 1, dtype=torch.bool)
+    visible[:, : past + 1] = True  # the cached prefix and the root
+    for node, parent in enumerate(parents):
+        row = node + 1
+        if parent >= 0:
+            visible[row] = visible[parent + 1]
+        visible[row, past + row] = True
+    return additive_mask(visible, dtype)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node; the root (last committed token) has depth 0, its children depth 1."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+class CachedLM:
+    """Runs `model` on one growing sequence with a DynamicCache.
+
+    With `hidden_layers` (decoder layer indices, specops.data.traces convention: entry i is the output of
+    layer i, HF `hidden_states[i + 1]`), every prefill and forward also leaves `features` [n, L, H],
+    those layers at the tokens just fed, for drafters that read the target's features (aligned heads).
+    Without it nothing extra is computed.
+    """
+
+    def __init__(self, model: PreTrainedModel, hidden_layers: list[int] | None = None) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.hidden_layers = hidden_layers
+        self.features: torch.Tensor | None = None
+
+    def _run(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """One model call appending `ids` [1, n] to the cache; its logits, and `features` when asked."""
+        wanted = self.hidden_layers is not None
+        out = self.model(ids, past_key_values=self.cache, use_cache=True, output_hidden_states=wanted, **kwargs)
+        if wanted:
+            self.features = torch.stack([out.hidden_states[i + 1][0] for i in self.hidden_layers], dim=1)
+        return out.logits
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def prefill(self, token_ids: list[int]) -> None:
+        """Append tokens whose logits are not needed (logits_to_keep=1 skips the LM head over the prompt)."""
+        if token_ids:
+            self._run(torch.tensor([token_ids]), logits_to_keep=1)
+
+    def forward(self, token_ids: list[int]) -> torch.Tensor:
+        """Append a chain of tokens; logits [n, V] for each of them."""
+        return self._run(torch.tensor([token_ids]))[0]
+
+    def forward_hidden(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `forward`, plus the last layer's hidden states [n, H] (after the final norm: the LM head's input)."""
+        out = self.model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        return out.logits[0], out.hidden_states[-1][0]
+
+    def forward_final_hidden(self, token_ids: list[int], position: int | None = None,
+                             visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Append tokens through the decoder alone: the final norm's output [n, H], no LM head (the caller
+        applies its own, e.g. a draft's reduced-vocabulary rows).
+
+        By default the tokens continue the cached sequence causally. A drafter growing a tree passes its
+        level's nodes instead: all at `position`, each attending to its row of `visible` [n, cache
+        length after appending].
+        """
+        kwargs = {}
+        if visible is not None:
+            kwargs["attention_mask"] = additive_mask(visible, self.model.dtype)
+            kwargs["position_ids"] = torch.full((1, len(token_ids)), position)
+        out = self.model.base_model(torch.tensor([token_ids]), past_key_values=self.cache, use_cache=True, **kwargs)
+        return out.last_hidden_state[0]
+
+    def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Append the root plus tree nodes in one pass; logits [n+1, V] (row 0: root)."""
+        past = self.length
+        positions = torch.tensor([[past] + [past + d for d in tree_depths(parents)]])
+        mask = tree_attention_mask(parents, past, self.model.dtype)
+        return self._run(torch.tensor([[root] + tokens]), attention_mask=mask, position_ids=positions)[0]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached tokens (transformers 5 crops by a negative count)."""
+        surplus = self.length - length
+        if surplus > 0:
+            self.cache.crop(-surplus)
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep cache entries start+offsets (ascending) and drop the rest after `start`.
+
+        Used after tree verification: the accepted path is scattered among the tree's nodes.
+        """
+        if offsets == list(range(len(offsets))):
+            self.crop(start + len(offsets))
+            return
+        index = torch.tensor(offsets) + start
+        for layer in self.cache.layers:
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, index]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, index]], dim=2)

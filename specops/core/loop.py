@@ -1,0 +1,171 @@
+"""The speculative decoding loop, batch 1: draft, verify in one target pass, commit, roll back the cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from specops.core.drafter import EMPTY, Draft, Drafter
+from specops.core.kv import CachedLM
+from specops.core.policies import DraftLengthPolicy, FixedPolicy
+from specops.core.sampling import logits_to_probs
+from specops.core.target import Target
+from specops.core.types import DEFAULT_DRAFT_TOKENS, Generation, GenerationStats, SamplingParams
+from specops.core.verify import VERIFIERS, verify_tree
+
+GREEDY = SamplingParams()
+
+
+class GenerationRequestError(ValueError):
+    """The request cannot be served as asked (empty prompt, too long, bad budget)."""
+
+
+class GenerationStream:
+    """Iterate to receive newly committed tokens step by step; `.generation` fills in as it goes."""
+
+    def __init__(self, steps: Iterator[list[int]], generation: Generation) -> None:
+        self._steps = steps
+        self.generation = generation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._steps
+
+    def close(self) -> None:
+        """Stop early (a client went away); the cache is released with the iterator."""
+        self._steps.close()  # type: ignore[attr-defined]
+
+
+class SpeculativeGenerator:
+    def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None) -> None:
+        """`policy` decides the draft length of each step (specops/core/policies.py); without one, every
+        step drafts `draft_tokens`."""
+        if verifier not in VERIFIERS:
+            raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
+        if draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+        policy = policy if policy is not None else FixedPolicy(draft_tokens)
+        if policy.stop is not None and (drafter is None or not drafter.predicts_acceptance):
+            raise ValueError(f"The '{policy.name}' policy stops drafts on an acceptance head's predictions: it needs "
+                             "the draft-lm drafter with an acceptance head.")
+        self.target = target
+        self.drafter = drafter
+        self.verifier = verifier
+        self.draft_tokens = draft_tokens
+        self.policy = policy
+        self.eos = target.eos_token_ids
+
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise GenerationRequestError("The prompt is empty.")
+        if max_new_tokens < 1:
+            raise GenerationRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        limit = self.target.max_context
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise GenerationRequestError(
+                f"The prompt has {len(prompt_ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
+                f"target's context of {limit} tokens.")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
+                 seed: int | None = None) -> Generation:
+        stream = self.stream(prompt_ids, max_new_tokens, sampling, seed)
+        for _ in stream:
+            pass
+        return stream.generation
+
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
+               seed: int | None = None) -> GenerationStream:
+        self.check_request(prompt_ids, max_new_tokens)
+        if self.verifier == "greedy" and not sampling.greedy:
+            raise GenerationRequestError("The greedy verifier needs temperature 0; use 'rejection' or 'block' to sample.")
+        generation = Generation(token_ids=[], stats=GenerationStats(), finish_reason="length")
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        return GenerationStream(self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation),
+                                generation)
+
+    def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
+               generator: torch.Generator, out: Generation) -> Iterator[list[int]]:
+        stats = out.stats
+        start = time.perf_counter()
+        with torch.inference_mode():
+            # Feature-reading drafters (aligned heads) name the target layers to capture; others add no cost.
+            lm = CachedLM(self.target.model, self.drafter.hidden_layers if self.drafter is not None else None)
+            lm.prefill(context[:-1])
+            if self.drafter is not None:
+                self.drafter.reset()
+                if lm.features is not None:
+                    self.drafter.observe_features(lm.features)
+            self.policy.reset()
+            stats.prefill_s = time.perf_counter() - start
+            while stats.new_tokens < max_new_tokens:
+                k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
+                tick = time.perf_counter()
+                draft = self._propose(context, k, sampling, generator)
+                if self.policy.trim is not None and draft.accept_probs and sampling.greedy:
+                    # Greedy only: a trim looks at each token's predicted acceptance, which depends on
+                    # the token itself, so when sampling it would choose which X_i get verified from
+                    # X_i's value and bias the output (see specops/core/policies.py). Greedy output is the
+                    # target's argmax chain whatever is verified, so there it only saves time.
+                    draft = draft.prefix(self.policy.trim(draft.accept_probs))
+                tock = time.perf_counter()
+                accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)
+                stats.draft_s += tock - tick
+                stats.verify_s += time.perf_counter() - tock
+                stats.record_step(len(draft.tokens), len(accepted), draft.depth)
+                self.policy.update(len(draft.tokens), len(accepted))
+                stats.bonus += int(len(accepted) == len(draft.tokens) > 0 and not draft.is_tree)
+                new, stopped = self._commit(accepted + [next_token], context, out, start)
+                yield new
+                if stopped:
+                    break
+
+    def _commit(self, new: list[int], context: list[int], out: Generation, start: float) -> tuple[list[int], bool]:
+        """Append one step's tokens, cut after the first EOS, to the sequence; True when generation ends."""
+        stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+        if stop is not None:
+            new = new[: stop + 1]
+            out.finish_reason = "stop"
+        context.extend(new)
+        out.token_ids.extend(new)
+        out.stats.new_tokens += len(new)
+        out.stats.total_s = time.perf_counter() - start
+        return new, stop is not None
+
+    def _propose(self, context: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
+        if self.drafter is None or k <= 0:
+            return EMPTY
+        # Only drafters with an acceptance head take a stop rule (checked in __init__).
+        return self.drafter.propose(context, k, sampling, generator, stop=self.policy.stop)
+
+    def _verify(self, lm: CachedLM, last: int, draft: Draft, sampling: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+        """One target pass over [last] + draft; returns the accepted draft tokens and the next token.
+
+        Leaves the cache holding everything up to and including the accepted tokens.
+        """
+        past = lm.length
+        if draft.is_tree:
+            logits = lm.forward_tree(last, draft.tokens, draft.parents)  # [n+1, V]
+            p = logits if sampling.greedy else logits_to_probs(logits, sampling)
+            path, next_token = verify_tree(torch.tensor(draft.tokens), draft.parents, p, sampling.greedy, generator)
+            kept = [0] + [node + 1 for node in path]  # rows of the root and the accepted path
+            lm.keep(past, kept)
+            accepted = [draft.tokens[node] for node in path]
+            seen = [last] + draft.tokens
+        else:
+            seen = [last] + draft.tokens
+            logits = lm.forward(seen)  # [k+1, V]
+            # Greedy needs only the argmax, so it skips the softmax over the whole vocabulary. At
+            # temperature 0 the other rules get one-hot p and reduce to greedy through their own code.
+            p = logits if self.verifier == "greedy" else logits_to_probs(logits, sampling)
+            n, next_token = VERIFIERS[self.verifier](torch.tensor(draft.tokens, dtype=torch.long), draft.q, p, generator)
+            lm.crop(past + 1 + n)
+            accepted = draft.tokens[:n]
+            kept = list(range(n + 1))
+        if self.drafter is not None:
+            self.drafter.observe(seen, logits)
+            if lm.features is not None:  # the target's features at the tokens now committed
+                self.drafter.observe_features(lm.features[kept])
+        return accepted, next_token

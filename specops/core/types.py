@@ -1,0 +1,93 @@
+"""Plain data passed between the speculative loop, the CLI, the API and the feedback log."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# The one default draft length: chain drafters draft this many tokens a step; tree drafters accept at most this depth.
+DEFAULT_DRAFT_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. temperature 0 means greedy; the same transform is applied to p and q."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generate call. A step is one target forward pass after the prefill."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    bonus: int = 0  # steps where every drafted token was accepted and the target added one more
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps whose draft token i was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: steps that drafted a token at depth i
+    per_step: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per step, for the feedback log
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    # Lossy modes (specops/lossy/autojudge.py, specops/lossy/arbitrage.py) mark their output so nobody mistakes it
+    # for the target's own: lossy_accepted counts mismatching tokens the judge accepted (autojudge)
+    # or draft steps kept without the target (arbitrage).
+    lossy: bool = False
+    lossy_mode: str | None = None
+    lossy_threshold: float | None = None
+    lossy_accepted: int = 0
+
+    def record_step(self, drafted: int, accepted: int, depth: int) -> None:
+        """`depth` is the deepest draft position offered (a tree's depth, a chain's length)."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.per_step.append((drafted, accepted))
+        for counts, n in ((self.drafted_per_position, depth), (self.accepted_per_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward pass (1.0 for plain autoregressive decoding)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self, per_step: bool = False) -> dict:
+        data = asdict(self)
+        if not per_step:
+            data.pop("per_step")
+        data.update(mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
+                    tokens_per_s=self.tokens_per_s)
+        return data
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "stop" (an EOS token) or "length"

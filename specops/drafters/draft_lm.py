@@ -1,0 +1,190 @@
+"""An independent draft LM with its own KV cache, sharing the target's vocabulary.
+
+With an acceptance head (SpecDec++, arXiv 2405.19715) it can end a draft early: `propose` then
+scores each drafted token and asks a `stop` rule whether to go on.
+
+As `draft-lm-tree` it grows EAGLE-2's dynamic tree (specops.drafters.dynamic_tree) instead of a chain:
+a level's best nodes run through the draft in one masked forward pass, and the target verifies the tree
+in one pass too. The first draft token is the target's top-1 far more often among the draft's top-4
+than as its top-1 alone (SpecInfer's and Sequoia's case for token trees from small LMs).
+
+With a draft vocabulary (FR-Spec, arXiv 2502.14856; train_draft.draft_vocab_size) the draft proposes
+only the N most frequent tokens of its training data: its LM head runs on those N rows. On a CPU the
+full 49k-row head of a SmolLM2-sized draft is most of a draft step. The other tokens get logit -inf, so
+q is still a distribution over the target's vocabulary and every verifier stays lossless. The model
+folder keeps the full head, so Hugging Face code (assisted generation) loads it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from specops.core.drafter import Draft, DrafterBase, TokenStop
+from specops.core.kv import CachedLM
+from specops.core.sampling import expand_draft_vocab, logits_to_probs, sample
+from specops.core.small_batch_linear import use_small_batch_linear
+from specops.core.types import SamplingParams
+from specops.drafters.acceptance_head import AcceptanceHead
+from specops.drafters.dynamic_tree import Children, TreeNode, grow_tree, top_children
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+class VocabularyMismatchError(ValueError):
+    pass
+
+
+def save_draft_vocab(out_dir: Path, vocab: torch.Tensor) -> None:
+    save_file({"draft_to_target": vocab.to(torch.int64).contiguous()}, str(out_dir / VOCAB_FILE))
+
+
+def load_draft_vocab(model_dir: Path | str) -> torch.Tensor | None:
+    """The target ids a draft may propose (ascending [N]), or None when it drafts over the whole vocabulary."""
+    path = Path(model_dir) / VOCAB_FILE
+    return load_file(str(path))["draft_to_target"] if path.is_file() else None
+
+
+def load_draft_model(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A draft LM folder's model in eval mode (the full head kept, so Hugging Face code can use it).
+
+    In float32 its linear layers are specops.core.small_batch_linear's, as the target's are: a tree level
+    runs a few rows through the draft, and HF assisted generation loads the draft here too, so every
+    method in a benchmark drafts on the same kernels."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"Draft model folder {model_dir} has no config.json; pass a Hugging Face model folder.")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if dtype == torch.float32:
+        use_small_batch_linear(model)
+    return model
+
+
+def load_draft(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, torch.Tensor | None]:
+    """A draft LM and its draft vocabulary; pass the target's dtype, since a bf16 target wants a bf16 draft."""
+    return load_draft_model(model_dir, dtype), load_draft_vocab(model_dir)
+
+
+def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [..., H], the LM head's rows for the draft vocabulary [N, H] -> logits [..., vocab_size],
+    -inf outside the draft vocabulary."""
+    return expand_draft_vocab(F.linear(hidden, head_rows), vocab, vocab_size)
+
+
+def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The draft's LM head as drafting uses it: last hidden states [..., H] -> logits [..., V] over the
+    target's vocabulary, -inf outside the draft vocabulary when it has one (whose rows alone were trained)."""
+    head = model.get_output_embeddings()
+    if vocab is None:
+        return head
+    rows = head.weight[vocab].detach()
+    return lambda hidden: vocab_logits(hidden, rows, vocab, head.weight.shape[0])
+
+
+class DraftLMDrafter(DrafterBase):
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int, head: AcceptanceHead | None = None,
+                 vocab: torch.Tensor | None = None, tree_nodes: int = 0, tree_top_k: int = 4) -> None:
+        """tree_nodes = 0 drafts chains; > 0 drafts a dynamic tree of at most that many nodes (EAGLE-2's,
+        specops.drafters.dynamic_tree), whose depth is propose's k."""
+        draft_vocab = model.get_output_embeddings().weight.shape[0]
+        if draft_vocab != target_vocab_size:
+            raise VocabularyMismatchError(
+                f"The draft model's vocabulary has {draft_vocab} tokens but the target's has {target_vocab_size}: "
+                "a draft LM must share the target's tokenizer.")
+        if head is not None and head.config.hidden_size != model.config.hidden_size:
+            raise ValueError(f"The acceptance head reads hidden states of size {head.config.hidden_size} but the "
+                             f"draft model's are {model.config.hidden_size}: it was trained for another draft.")
+        if vocab is not None and (vocab.numel() == 0 or int(vocab.max()) >= target_vocab_size):
+            raise VocabularyMismatchError(f"The draft vocabulary must be non-empty target ids below {target_vocab_size}.")
+        if tree_nodes < 0 or tree_top_k < 1:
+            raise ValueError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {tree_nodes}, {tree_top_k}.")
+        if tree_nodes and head is not None:
+            raise ValueError("An acceptance head stops chains; the draft-lm-tree drafter grows trees without one.")
+        self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
+        self.name = "draft-lm-tree" if tree_nodes else "draft-lm"
+        self.model = model.eval()
+        self.head = head.eval() if head is not None else None
+        self.vocab = vocab
+        self.lm_head = draft_head(model, vocab)
+        self.lm = CachedLM(self.model)
+        self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache
+
+    @property
+    def predicts_acceptance(self) -> bool:
+        """Whether `propose` can take a per-token `stop` rule (it needs an acceptance head)."""
+        return self.head is not None
+
+    def reset(self) -> None:
+        self.lm = CachedLM(self.model)
+        self.cached = []
+
+    def _sync(self, context: list[int]) -> list[int]:
+        """Roll the cache back to the longest prefix shared with `context`; return the tokens to feed."""
+        common = 0
+        limit = min(len(self.cached), len(context) - 1)  # always re-feed the last token to get logits
+        while common < limit and self.cached[common] == context[common]:
+            common += 1
+        self.lm.crop(common)
+        self.cached = context[:common]
+        return context[common:]
+
+    def _forward_last(self, feed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [V] at the last fed token and its hidden state [H] (the acceptance head reads it)."""
+        hidden = self.lm.forward_final_hidden(feed)[-1]
+        return self.lm_head(hidden), hidden
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams,
+                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+        """Up to k tokens; with `stop`, the draft also ends after the first token for which
+        stop(acceptance probabilities so far) is True."""
+        if stop is not None and self.head is None:
+            raise ValueError("A per-token stop rule needs an acceptance head; load one into the draft-lm drafter.")
+        feed = self._sync(context)
+        if self.tree_nodes and k > 0:
+            return self._tree(feed, k)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        accept_probs: list[float] = []
+        for _ in range(k):
+            logits, hidden = self._forward_last(feed)
+            self.cached += feed
+            if sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                probs = logits_to_probs(logits, sampling)
+                rows.append(probs)
+                token = sample(probs, generator)
+            tokens.append(token)
+            if stop is not None:
+                accept_probs.append(self.head.accept_prob(hidden, logits, token))
+                if stop(accept_probs):
+                    break
+            feed = [token]
+        # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
+        return Draft(tokens=tokens, q=torch.stack(rows) if rows else None, accept_probs=accept_probs if stop else None)
+
+    def _children(self, hidden: torch.Tensor) -> list[Children]:
+        """Top-K children (target ids, draft log-probabilities) of each position of hidden [n, H]; outside
+        a draft vocabulary the logits are -inf, so children come from it alone."""
+        return top_children(self.lm_head(hidden).float().log_softmax(-1), self.tree_top_k)
+
+    def _tree(self, feed: list[int], max_depth: int) -> Draft:
+        """Feed the new context tokens, then grow the dynamic tree; drafted positions leave the cache."""
+        root_hidden = self.lm.forward_final_hidden(feed)[-1]
+        self.cached += feed
+        verified = self.lm.length  # == len(context): a depth-d node sits at position verified + d - 1
+
+        def expand(nodes: list[TreeNode], chosen: list[int], visible: torch.Tensor, depth: int) -> list[Children]:
+            hidden = self.lm.forward_final_hidden([nodes[i].token for i in chosen], verified + depth - 1, visible)
+            return self._children(hidden)
+
+        try:
+            return grow_tree(self._children(root_hidden[None])[0], expand, max_depth, self.tree_top_k,
+                             self.tree_nodes, verified)
+        finally:
+            self.lm.crop(verified)

@@ -1,0 +1,133 @@
+"""The drafter registry, the decoding config and the method spec: what the layers above name drafters by.
+
+Torch-free on purpose: the CLI builds its parser from these names, so `specops --help` stays light.
+
+`DRAFTERS` is a plain dict from kind to what the kind is: the weights folder it loads (a draft LM or
+an aligned head), whether it drafts a tree, whether draft-length policies set its length and whether
+it takes an acceptance head. `MethodSpec.parse("draft-lm+specdecpp@6")` reads a benchmark method once
+into a typed object; `MethodSpec.decoding()` turns it into the `DecodingConfig` the factory builds from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from specops.core.policies import POLICIES
+from specops.core.types import DEFAULT_DRAFT_TOKENS
+
+Weights = Literal["draft_lm", "aligned_head"]  # the weights folder a kind loads (a bundle's drafter/)
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    weights: Weights | None = None  # None: needs no trained weights
+    tree: bool = False  # drafts a tree (verified by the tree walk) rather than a chain
+    policies: bool = False  # draft-length policies other than "fixed" may set its length
+    acceptance_head: bool = False  # may take a SpecDec++ acceptance head (specdecpp, goodput_head)
+    size: Literal["draft_tokens", "tree_nodes", "recycling_nodes"] = "draft_tokens"  # what "@N" sets
+
+    @property
+    def trained(self) -> bool:
+        return self.weights is not None
+
+
+DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
+    DrafterKind("none"),
+    DrafterKind("prompt-lookup", policies=True),
+    DrafterKind("recycling", tree=True, size="recycling_nodes"),
+    DrafterKind("hybrid", tree=True, size="recycling_nodes"),  # Token Recycling + a prompt-lookup branch
+    DrafterKind("draft-lm", weights="draft_lm", policies=True, acceptance_head=True),
+    DrafterKind("draft-lm-tree", weights="draft_lm", tree=True, size="tree_nodes"),
+    DrafterKind("aligned_head", weights="aligned_head"),
+    DrafterKind("aligned_head_tree", weights="aligned_head", tree=True, size="tree_nodes"),
+)}
+DRAFT_LM_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "draft_lm")
+ALIGNED_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "aligned_head")
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    if name not in DRAFTERS:
+        raise ValueError(f"Unknown drafter '{name}'. Choose one of: {', '.join(DRAFTERS)}.")
+    return DRAFTERS[name]
+
+
+@dataclass
+class DecodingConfig:
+    """How a generator decodes; serving.yaml in a bundle and the CLI flags both fill this."""
+
+    drafter: str = "recycling"  # one of DRAFTERS
+    verifier: str = "auto"  # greedy | rejection | block | auto (greedy at temperature 0, rejection otherwise)
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS  # chain drafters: tokens per step; tree drafters: maximum accepted depth
+    prompt_lookup_max_ngram: int = 3
+    recycling_nodes: int = 12  # size of the Token Recycling tree (tuned for a 2-core CPU by sweep)
+    # Draft length policy, one of POLICIES (specops/core/policies.py): fixed drafts draft_tokens every step;
+    # heuristic starts there; specdecpp, goodput and goodput_head never draft more than draft_tokens.
+    policy: str = "fixed"
+    # specdecpp: end a draft once P(some drafted token is rejected) exceeds this. Higher drafts longer.
+    stop_threshold: float = 0.5
+    # aligned_head_tree and draft-lm-tree: nodes of the dynamic draft tree (EAGLE-2), and the top-k tokens
+    # taken from each expanded node (also how many nodes a level expands). Size the tree by the verify
+    # cost curve.
+    tree_nodes: int = 12
+    tree_top_k: int = 4
+    # Lossy acceleration, opt-in: "off" keeps the output identical to the target's. One of
+    # specops.lossy.modes.LOSSY_MODES: autojudge accepts mismatching draft tokens its classifier deems
+    # unimportant (arXiv 2504.20039); arbitrage keeps whole draft steps its router deems as good as the
+    # target's (arXiv 2512.05033). Both need the draft-lm drafter, greedy decoding and router_dir; a
+    # sampled request under a lossy default is served losslessly (its stats say lossy: false).
+    lossy_mode: str = "off"
+    # Accept when the router's P(this costs quality) is below it: 0 is lossless; None takes the trained default.
+    lossy_threshold: float | None = None
+    router_dir: str | None = None  # train_router's output folder; a bundle fills it from its router/ component
+
+    @classmethod
+    def from_serving(cls, serving: dict[str, Any]) -> DecodingConfig:
+        """A bundle's serving.yaml; an unknown key is an error that names it (nothing is silently ignored)."""
+        unknown = sorted(set(serving) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"serving.yaml has unknown key(s): {', '.join(unknown)}. "
+                             f"Known: {', '.join(cls.__dataclass_fields__)}.")
+        return cls(**serving)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method of `specops bench` and the evaluate stage: `kind[+policy][@size]`.
+
+    '@size' is what the kind's `size` names: Token Recycling tree nodes, dynamic-tree nodes (whose
+    depth is draft_tokens) or chain draft tokens (the policy's k or bound)."""
+
+    kind: str
+    policy: str = "fixed"
+    size: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> MethodSpec:
+        method, at, size = spec.partition("@")
+        kind, plus, policy = method.partition("+")
+        if kind not in DRAFTERS:
+            raise ValueError(f"Unknown method '{spec}': the drafter must be one of {', '.join(DRAFTERS)}.")
+        if plus and policy not in POLICIES:
+            raise ValueError(f"Method '{spec}': the policy after + must be one of {', '.join(POLICIES)}.")
+        if plus and not DRAFTERS[kind].policies:
+            allowed = ", ".join(k for k, d in DRAFTERS.items() if d.policies)
+            raise ValueError(f"Method '{spec}': draft length policies apply to {allowed} only.")
+        if at and not (size.isdigit() and int(size) > 0):
+            raise ValueError(f"Method '{spec}': the size after @ must be a positive integer.")
+        return cls(kind, policy or "fixed", int(size) if at else None)
+
+    def __str__(self) -> str:
+        return self.kind + (f"+{self.policy}" if self.policy != "fixed" else "") + (f"@{self.size}" if self.size else "")
+
+    @property
+    def drafter(self) -> DrafterKind:
+        return DRAFTERS[self.kind]
+
+    def decoding(self, base: DecodingConfig | None = None) -> DecodingConfig:
+        """`base` (greedy, defaults otherwise) with this method's drafter, policy and size."""
+        config = replace(base or DecodingConfig(verifier="greedy"), drafter=self.kind, policy=self.policy)
+        if self.size is not None:
+            setattr(config, self.drafter.size, self.size)
+        return config

@@ -1,0 +1,181 @@
+"""Side-by-side benchmark: HF generate baselines and our drafters, same prompts, same process.
+
+Methods run interleaved prompt by prompt, so a change in machine load hits all of them alike and
+the speed ratios stay meaningful. Each method gets one untimed warm-up generation first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specops.core.loop import SpeculativeGenerator
+from specops.core.policies import HEAD_POLICIES
+from specops.core.target import Target, encode_prompt
+from specops.core.types import GenerationStats
+from specops.drafters.factory import build_drafter, build_policy
+from specops.drafters.kinds import DEFAULT_DRAFT_TOKENS, DecodingConfig, MethodSpec
+
+# A method maps prompt ids to (new token ids, our loop's stats or None for HF generate).
+Method = Callable[[list[int]], tuple[list[int], GenerationStats | None]]
+BASELINE = "hf_ar"
+
+
+@dataclass
+class BenchConfig:
+    dataset: str = "humaneval"  # humaneval | sharegpt | path to a JSONL file of {"prompt"} or {"messages"} rows
+    n: int = 20  # number of prompts
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (ShareGPT has some very long ones)
+    # Our methods: a drafter kind, optionally "+policy" (a draft length policy of specops/core/policies.py, for
+    # chain drafters) and "@size" (Token Recycling tree nodes, or chain draft tokens: the policy's k or bound);
+    # several sizes or policies of one kind make a sweep in the same run.
+    drafters: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling"])
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS  # chain draft length when a method gives no @size; the depth limit of tree methods
+    draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
+    aligned_head: str | None = None  # aligned head folder (models/aligned_head): needed by aligned_head[_tree]
+    acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp and +goodput_head
+    stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
+    hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
+    hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
+
+
+def _hf_method(target: Target, max_new_tokens: int, **kwargs: Any) -> Method:
+    def run(ids: list[int]) -> tuple[list[int], GenerationStats | None]:
+        inputs = torch.tensor([ids])
+        out = target.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                    do_sample=False, **kwargs)
+        return out[0, len(ids):].tolist(), None
+    return run
+
+
+def _our_method(generator: SpeculativeGenerator, max_new_tokens: int) -> Method:
+    def run(ids: list[int]) -> tuple[list[int], GenerationStats | None]:
+        result = generator.generate(ids, max_new_tokens)
+        return result.token_ids, result.stats
+    return run
+
+
+def build_methods(target: Target, cfg: BenchConfig,
+                  extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Method]:
+    """HF baselines, then our methods; `extra` adds ready-made generators (e.g. the current champion)."""
+    from specops.drafters.draft_lm import load_draft_model
+
+    m = cfg.max_new_tokens
+    methods: dict[str, Method] = {BASELINE: _hf_method(target, m)}
+    if cfg.hf_prompt_lookup_tokens:
+        methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
+    if cfg.draft_model and cfg.hf_assisted:
+        methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model, target.model.dtype))
+    for spec in cfg.drafters:
+        method = MethodSpec.parse(spec)
+        config = method.decoding(DecodingConfig(verifier="greedy", draft_tokens=cfg.draft_tokens))
+        if cfg.stop_threshold is not None:
+            config.stop_threshold = cfg.stop_threshold
+        head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
+        weights = {"draft_lm": cfg.draft_model, "aligned_head": cfg.aligned_head}.get(method.drafter.weights or "")
+        drafter = build_drafter(method.kind, target, config, weights, head)
+        policy = build_policy(config, target, drafter)
+        methods[spec] = _our_method(SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy), m)
+    for name, generator in (extra or {}).items():
+        methods[name] = _our_method(generator, m)
+    return methods
+
+
+def environment() -> dict[str, Any]:
+    versions = {}
+    for package in ("torch", "transformers", "specops"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "versions": versions}
+
+
+def merge_stats(into: GenerationStats, stats: GenerationStats) -> None:
+    """Add one generation's counters to a running total (per-position lists padded as needed)."""
+    for name in ("steps", "drafted", "accepted", "bonus", "new_tokens", "prefill_s", "draft_s", "verify_s", "total_s"):
+        setattr(into, name, getattr(into, name) + getattr(stats, name))
+    for attr in ("accepted_per_position", "drafted_per_position"):
+        total, extra = getattr(into, attr), getattr(stats, attr)
+        total.extend([0] * (len(extra) - len(total)))
+        for i, count in enumerate(extra):
+            total[i] += count
+
+
+def acceptance_per_position(stats: GenerationStats) -> list[float]:
+    """[i]: of the steps that drafted a token at depth i+1, the fraction that accepted one there."""
+    accepted = stats.accepted_per_position + [0] * (len(stats.drafted_per_position) - len(stats.accepted_per_position))
+    return [round(a / d, 4) for a, d in zip(accepted, stats.drafted_per_position, strict=True)]
+
+
+def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig,
+                  extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
+    return run_benchmark_ids(target, [encode_prompt(target.tokenizer, p) for p in prompts], cfg, extra)
+
+
+def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig,
+                      extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
+    """run_benchmark on prompts that are token ids already (e.g. served requests from the feedback log)."""
+    encoded = [ids for ids in prompts if len(ids) <= cfg.max_prompt_tokens]
+    if not encoded:
+        raise ValueError(f"Every prompt is longer than max_prompt_tokens={cfg.max_prompt_tokens}.")
+    methods = build_methods(target, cfg, extra)
+    with torch.inference_mode():
+        for run in methods.values():
+            run(encoded[0][:32])  # warm-up: allocator, kernels, lazy imports
+    totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0} for name in methods}
+    merged: dict[str, GenerationStats] = {name: GenerationStats() for name in methods}
+    per_prompt: list[dict[str, Any]] = []
+    for ids in tqdm(encoded, desc="bench prompts", unit="prompt"):
+        reference: list[int] | None = None
+        row: dict[str, Any] = {"prompt_tokens": len(ids)}
+        for name, run in methods.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                tokens, stats = run(ids)
+            seconds = time.perf_counter() - start
+            reference = tokens if name == BASELINE else reference
+            total = totals[name]
+            total["tokens"] += len(tokens)
+            total["seconds"] += seconds
+            if stats is not None:
+                merge_stats(merged[name], stats)
+            total["identical"] += int(tokens == reference)
+            row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4), "identical": tokens == reference}
+        per_prompt.append(row)
+    base_tps = totals[BASELINE]["tokens"] / totals[BASELINE]["seconds"]
+    results = {}
+    for name, total in totals.items():
+        tps = total["tokens"] / total["seconds"]
+        stats = merged[name]
+        results[name] = {
+            "tokens_per_s": round(tps, 3),
+            "speedup_vs_ar": round(tps / base_tps, 4),
+            "mean_accepted_length": round(stats.mean_accepted_length, 4) if stats.steps else None,
+            "acceptance_rate": round(stats.acceptance_rate, 4) if stats.steps else None,
+            "acceptance_per_position": acceptance_per_position(stats),
+            "draft_s": round(stats.draft_s, 3), "verify_s": round(stats.verify_s, 3),
+            "identical_to_ar": total["identical"] == len(encoded),
+            "identical_prompts": total["identical"],
+            "new_tokens": total["tokens"],
+            "seconds": round(total["seconds"], 3),
+        }
+    return {"methods": results, "prompts": len(encoded), "config": asdict(cfg), "target": target.fingerprint.to_dict(),
+            "dtype": str(target.model.dtype).removeprefix("torch."), "environment": environment(),
+            "per_prompt": per_prompt, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=2)

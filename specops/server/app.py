@@ -1,0 +1,376 @@
+"""The OpenAI-compatible HTTP server: `create_app(config)` builds it, `serve(config)` runs it.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (JSON or SSE with `stream: true`),
+GET /v1/models, /health (liveness, never authenticated), /ready (the model is warm) and /metrics.
+Handlers validate and tokenize on the event loop, then hand the request to the single generation
+worker (specops/server/worker.py) and relay its events. Every error is an OpenAI error object; bad input
+is a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from specops.core.target import Target, encode_prompt, load_target
+from specops.core.types import SamplingParams
+from specops.server.config import ServerConfig
+from specops.server.feedback import FeedbackLog
+from specops.server.guards import STATUS_KEY, BearerAuth, BodyLimit, RequestRecorder
+from specops.server.metrics import CONTENT_TYPE, ServerMetrics
+from specops.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    SamplingFields,
+    error_body,
+)
+from specops.server.reload import SWAP_TIMEOUT_S, RegistryWatcher, bundle_model, plain_model
+from specops.server.worker import Delta, Event, Failed, GenerationWorker, Job, QueueFullError, ServedModel
+
+log = logging.getLogger(__name__)
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for its result checks that its client is still there
+SEED_BITS = 63
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was complete."""
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed as soon as the response ends, disconnect included,
+    so the generation is cancelled at once instead of whenever the generator is garbage-collected."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Pending:
+    """A submitted job, as its request handler waits for it."""
+
+    job: Job
+    events: asyncio.Queue[Event]
+    request: Request
+    deadline: float  # time.monotonic()
+    timeout_s: float
+
+    async def next(self, watch_disconnect: bool) -> Event:
+        """The next worker event; a 504 Failed past the deadline. Raises ClientGone if the client left
+        (only checked with watch_disconnect: once a stream has started, Starlette watches instead)."""
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.job.cancelled.set()
+                return Failed(504, f"The request did not complete within {self.timeout_s:g} s; try a smaller "
+                              "max_tokens or retry later.", "timeout_error", "timeout")
+            try:
+                return await asyncio.wait_for(self.events.get(), min(remaining, DISCONNECT_POLL_S))
+            except TimeoutError:
+                if watch_disconnect and await self.request.is_disconnected():
+                    self.job.cancelled.set()
+                    raise ClientGone() from None
+
+
+class Server:
+    """The state behind one app: the worker, its metrics and feedback log, and the optional watcher."""
+
+    def __init__(self, config: ServerConfig, model: ServedModel, metrics: ServerMetrics,
+                 watcher: RegistryWatcher | None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.feedback = (FeedbackLog(config.feedback_db, config.feedback_max_rows, config.log_prompt_text)
+                         if config.feedback else None)
+        self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback)
+        self.watcher = watcher
+        self.started = int(time.time())
+
+    def start(self) -> None:
+        self.worker.start()
+        if self.watcher is not None and self.config.poll_s > 0:
+            self.watcher.start(lambda model: self.worker.swap(model, SWAP_TIMEOUT_S))
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.worker.stop()
+        if self.feedback is not None:
+            self.feedback.close()
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.config.model_name, "object": "model", "created": self.started, "owned_by": "specops",
+                **self.worker.model.describe()}
+
+    async def complete(self, request: Request, body: SamplingFields, prompt_ids: list[int], prompt_text: str | None,
+                       max_tokens: int | None, chat: bool) -> Response:
+        """Validate against the model, queue the job, and answer with JSON or an event stream."""
+        if body.model is not None and body.model != self.config.model_name:
+            raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
+                           f"'{self.config.model_name}'.", param="model", code="model_not_found")
+        if not self.worker.ready.is_set():
+            raise ApiError(503, "The model is still loading; retry shortly.", "server_error", code="not_ready",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        max_tokens = self._check_budget(len(prompt_ids), max_tokens, "messages" if chat else "prompt")
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        pending = self._submit(request, body, request_id, prompt_ids, prompt_text, max_tokens, chat)
+        builder = ResponseBuilder(chat, request_id, self.config.model_name)
+        headers = {"X-Request-Id": request_id}
+        try:
+            first = await pending.next(watch_disconnect=True)
+            if isinstance(first, Failed):
+                raise ApiError(first.status, first.message, first.type, code=first.code)
+            if body.stream:
+                headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return EventStream(self._stream(pending, builder, first, body.include_usage), headers=headers)
+            parts: list[str] = []
+            event = first
+            while isinstance(event, Delta):
+                parts.append(event.text)
+                event = await pending.next(watch_disconnect=True)
+            if isinstance(event, Failed):
+                raise ApiError(event.status, event.message, event.type, code=event.code)
+            return JSONResponse(builder.response("".join(parts), event.completion), headers=headers)
+        except ClientGone:
+            setattr(request.state, STATUS_KEY, 499)
+            return Response(status_code=499)
+
+    def _check_budget(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
+        limit = self.worker.model.target.max_context
+        if prompt_tokens >= limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                           f"{prompt_tokens} tokens.", param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            return min(self.config.default_max_tokens, limit - prompt_tokens)
+        if prompt_tokens + max_tokens > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                           f"{prompt_tokens} tokens, so max_tokens can be at most {limit - prompt_tokens}, not "
+                           f"{max_tokens}.", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def _submit(self, request: Request, body: SamplingFields, request_id: str, prompt_ids: list[int],
+                prompt_text: str | None, max_tokens: int, chat: bool) -> Pending:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            # A closed event loop (shutdown) raises RuntimeError: nobody is left to read the event then.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = Job(request_id=request_id, endpoint="chat" if chat else "completions", prompt_ids=prompt_ids,
+                  max_tokens=max_tokens, sampling=SamplingParams(body.temperature, body.top_p, body.top_k),
+                  seed=body.seed if body.seed is not None else secrets.randbits(SEED_BITS), stop=body.stop_list(),
+                  prompt_text=prompt_text if self.config.log_prompt_text else None, emit=emit)
+        try:
+            self.worker.submit(job)
+        except QueueFullError as error:
+            raise ApiError(429, f"The server is busy: {error} Retry later.", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from error
+        return Pending(job, events, request, time.monotonic() + self.config.timeout_s, self.config.timeout_s)
+
+    async def _stream(self, pending: Pending, builder: ResponseBuilder, first: Event,
+                      include_usage: bool) -> AsyncIterator[str]:
+        done = False
+        try:
+            if builder.chat:
+                yield sse(builder.chunk(role=True))
+            event = first
+            while isinstance(event, Delta):
+                yield sse(builder.chunk(text=event.text))
+                event = await pending.next(watch_disconnect=False)
+            done = True
+            if isinstance(event, Failed):
+                setattr(pending.request.state, STATUS_KEY, event.status)
+                yield sse(error_body(event.message, event.type, None, event.code))
+                return
+            yield sse(builder.chunk(finish_reason=event.completion.finish_reason))
+            if include_usage:
+                yield sse(builder.usage_chunk(event.completion))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away mid-stream: stop generating for it
+                pending.job.cancelled.set()
+                setattr(pending.request.state, STATUS_KEY, 499)
+
+
+def _tokenize(target: Target, prompt: str | list[dict[str, str]], raw: bool, param: str) -> list[int]:
+    try:
+        ids = encode_prompt(target.tokenizer, prompt, raw=raw)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=param, code="invalid_value") from error
+    if not ids:
+        raise ApiError(400, "The prompt encodes to no tokens.", param=param, code="invalid_value")
+    return ids
+
+
+def _validation_error(error: RequestValidationError) -> ApiError:
+    first = error.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    path = ".".join(loc)
+    kind = first.get("type", "invalid")
+    if kind == "json_invalid":
+        message = f"We could not parse the JSON body of your request ({first.get('ctx', {}).get('error', 'invalid')})."
+    elif not loc:
+        message = "The request body must be a JSON object, sent with Content-Type: application/json."
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {path}"
+    elif kind == "missing":
+        message = f"Missing required parameter: '{path}'."
+    else:
+        message = f"Invalid value for '{path}': {first.get('msg', 'invalid')}."
+    param = loc[0] if loc and kind != "json_invalid" else None  # a JSON error's loc is a character offset
+    return ApiError(400, message, param=param, code=kind)
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(error.status_code, str(error.detail), kind, headers=error.headers))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("Unhandled error on %s", request.url.path)
+        return _error_response(ApiError(500, "Internal server error; the details are in the server log.",
+                                        "server_error"))
+
+
+def _install_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        target = server.worker.model.target
+        if isinstance(body.prompt, str):
+            ids = _tokenize(target, body.prompt, raw=True, param="prompt")
+            text: str | None = body.prompt
+        else:
+            if not body.prompt:
+                raise ApiError(400, "The prompt is empty.", param="prompt", code="invalid_value")
+            if not all(0 <= t < target.vocab_size for t in body.prompt):
+                raise ApiError(400, f"Prompt token ids must be in [0, {target.vocab_size}).", param="prompt",
+                               code="invalid_value")
+            ids, text = list(body.prompt), None
+        return await server.complete(request, body, ids, text, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(400, "Give max_tokens or max_completion_tokens, not both.", param="max_tokens",
+                           code="invalid_value")
+        messages = [message.as_template_message() for message in body.messages]
+        if not any(m["content"].strip() for m in messages):
+            raise ApiError(400, "Every message is empty.", param="messages", code="invalid_value")
+        ids = _tokenize(server.worker.model.target, messages, raw=False, param="messages")
+        return await server.complete(request, body, ids, json.dumps(messages, ensure_ascii=False),
+                                     body.max_tokens or body.max_completion_tokens, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != server.config.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        return server.model_card()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if server.worker.ready.is_set():
+            return JSONResponse({"status": "ready", **server.worker.model.describe()})
+        status = "failed" if server.worker.failure else "starting"
+        return JSONResponse({"status": status, "reason": server.worker.failure}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def load_model(config: ServerConfig, metrics: ServerMetrics, target: Target | None = None,
+               ) -> tuple[ServedModel, RegistryWatcher | None]:
+    """What `config` says to serve; `target` (already loaded) replaces --target, e.g. in tests."""
+    if target is None and config.target is not None and (config.bundle or config.model_uri):
+        target = load_target(config.target, config.dtype)
+    if config.bundle:
+        return bundle_model(config.bundle, target), None
+    if config.model_uri:
+        watcher = RegistryWatcher(config.model_uri, config.tracking_uri, config.poll_s, metrics)
+        return watcher.load_initial(target), watcher
+    return plain_model(config, target), None
+
+
+def create_app(config: ServerConfig, model: ServedModel | None = None, target: Target | None = None) -> FastAPI:
+    """Build the app; the worker starts with its lifespan. `model` serves as given (no registry polling);
+    otherwise it is loaded as `config` says, with `target` instead of loading --target."""
+    metrics = ServerMetrics()
+    watcher = None
+    if model is None:
+        model, watcher = load_model(config, metrics, target)
+    server = Server(config, model, metrics, watcher)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.start()
+        try:
+            yield
+        finally:
+            server.stop()
+
+    app = FastAPI(title="specops", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    app.state.server = server
+    _install_error_handlers(app)
+    _install_routes(app, server)
+    # add_middleware wraps: the last added runs first. Count, then authenticate, then read the body.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(BearerAuth, api_key=config.api_key)
+    app.add_middleware(RequestRecorder, metrics=metrics, paths=COMPLETION_PATHS)
+    return app
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the server in the foreground until interrupted."""
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")

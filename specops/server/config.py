@@ -1,0 +1,88 @@
+"""Every setting of the OpenAI-compatible server, documented where it is declared.
+
+The CLI (specops/server/commands.py) takes its help text from the `help` metadata and leaves unset flags
+to these defaults, so a default is written exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from specops.core.target import DTYPES
+from specops.drafters.kinds import DRAFTERS
+
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[A-Za-z0-9_-]+)$")
+
+
+def option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def _api_key_from_env() -> str | None:
+    return os.environ.get("SPECOPS_API_KEY") or None
+
+
+@dataclass
+class ServerConfig:
+    # What to serve: a bundle folder, a registry alias, or a plain target + drafter (neither).
+    bundle: str | None = option(None, "bundle folder to serve, verified at start; never reloaded")
+    model_uri: str | None = option(
+        None, "models:/NAME@ALIAS: serve that registry version and poll the alias to hot-reload new ones")
+    tracking_uri: str | None = option(
+        None, "MLflow tracking and registry URI for --model-uri; unset uses MLflow's own (MLFLOW_TRACKING_URI)")
+    poll_s: float = option(30.0, "seconds between polls of --model-uri's alias; 0 loads it once")
+    target: str | None = option(
+        None, "target model: 'smollm2', a .gguf file or an HF folder; unset means the bundle's own target, "
+              "or smollm2 without a bundle")
+    dtype: str = option("float32", "target precision when --target is loaded here (float32 or bfloat16)")
+    drafter: str = option("recycling", "drafter without a bundle; 'none' is plain autoregressive decoding "
+                                       "(a bundle's serving.yaml chooses its own)")
+    draft_model: str | None = option(None, "HF folder of the draft LM for --drafter draft-lm")
+    model_name: str = option("specops", "model id shown by /v1/models; requests naming another model get 404")
+    # HTTP.
+    host: str = option("127.0.0.1", "interface to listen on")
+    port: int = option(8000, "TCP port to listen on")
+    api_key: str | None = field(default_factory=_api_key_from_env, metadata={
+        "help": "bearer token every endpoint but /health requires; read from env SPECOPS_API_KEY, so it never "
+                "appears in a process listing"})
+    max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
+    # Load: one generation at a time (drafters keep per-sequence state), the rest wait in a queue.
+    queue_size: int = option(16, "requests that may wait behind the running one; more get 429")
+    retry_after_s: int = option(1, "Retry-After seconds sent with a 429")
+    timeout_s: float = option(120.0, "per-request limit on queue wait plus generation; past it 504")
+    default_max_tokens: int = option(256, "max_tokens when a request gives none (cut to the context left)")
+    # Feedback log for online retraining.
+    feedback: bool = option(True, "log one row per finished request to the feedback database")
+    feedback_db: str = option("feedback/feedback.db", "SQLite feedback database (WAL mode)")
+    feedback_max_rows: int = option(1_000_000, "retention cap: the oldest rows are dropped beyond it")
+    log_prompt_text: bool = option(False, "also store the prompt text (token ids are always stored)")
+
+    def __post_init__(self) -> None:
+        if self.bundle and self.model_uri:
+            raise ValueError("Give either a bundle folder or a models:/ URI, not both.")
+        if self.model_uri and not MODEL_URI.match(self.model_uri):
+            raise ValueError(f"Model URI '{self.model_uri}' must look like models:/NAME@ALIAS "
+                             "(for a fixed version, publish it and pass the bundle folder).")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"Unknown drafter '{self.drafter}'. Choose one of: {', '.join(DRAFTERS)}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Unknown dtype '{self.dtype}'. Choose one of: {', '.join(DTYPES)}.")
+        positive = {"queue_size": self.queue_size, "timeout_s": self.timeout_s, "max_body_bytes": self.max_body_bytes,
+                    "default_max_tokens": self.default_max_tokens, "feedback_max_rows": self.feedback_max_rows}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}.")
+        if self.poll_s < 0 or self.retry_after_s < 0:
+            raise ValueError("poll_s and retry_after_s must be >= 0.")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}.")
+
+
+def help_of(name: str) -> str:
+    """A field's help with its default, for argparse."""
+    spec = next(f for f in fields(ServerConfig) if f.name == name)
+    default = "$SPECOPS_API_KEY" if spec.default is MISSING else spec.default
+    return f"{spec.metadata['help']} (default: {default})"

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server. Each app owns its registry, so many apps can live in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from specops.core.types import GenerationStats
+
+# Seconds; a request on a 2-core CPU spans ~50 ms (a few tokens) to minutes (long outputs in a queue).
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specops_requests", "Completion requests by HTTP status (499: the client went "
+                                "away before the response ended).", ["status"], registry=r)
+        self.prompt_tokens = Counter("specops_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generated_tokens = Counter("specops_generated_tokens", "Tokens generated for finished requests.",
+                                        registry=r)
+        self.target_steps = Counter("specops_target_steps", "Target forward passes after the prefill.", registry=r)
+        self.drafted_tokens = Counter("specops_drafted_tokens", "Draft tokens offered to the verifier.", registry=r)
+        self.accepted_tokens = Counter("specops_accepted_tokens", "Draft tokens the verifier accepted.", registry=r)
+        self.drafted_per_position = Counter("specops_drafted_per_position", "Steps that drafted a token at this "
+                                            "depth (0 = first draft token).", ["position"], registry=r)
+        self.accepted_per_position = Counter("specops_accepted_per_position", "Steps whose draft token at this "
+                                             "depth was accepted.", ["position"], registry=r)
+        self.latency = Histogram("specops_request_latency_seconds", "Arrival to last byte of successful "
+                                 "completion requests.", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specops_time_to_first_token_seconds", "Arrival to the first generated token, "
+                              "queue wait included.", buckets=TTFT_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specops_queue_depth", "Requests waiting for the generation worker.", registry=r)
+        self.bundle_info = Gauge("specops_bundle_info", "The model being served (value 1); version is the bundle "
+                                 "hash, model_version the registry version.", ["version", "model_version", "drafter"],
+                                 registry=r)
+        self.reloads = Counter("specops_reloads", "Hot reload attempts by result (ok, refused).", ["result"],
+                               registry=r)
+        self.feedback_rows = Counter("specops_feedback_rows", "Rows committed to the feedback log.", registry=r)
+        self.feedback_dropped = Counter("specops_feedback_dropped_rows", "Oldest feedback rows dropped by the "
+                                        "retention cap.", registry=r)
+        self.feedback_errors = Counter("specops_feedback_errors", "Feedback rows that could not be written.",
+                                       registry=r)
+
+    def watch_queue(self, depth: Callable[[], int]) -> None:
+        self.queue_depth.set_function(depth)
+
+    def observe_generation(self, prompt_tokens: int, stats: GenerationStats) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(stats.new_tokens)
+        self.target_steps.inc(stats.steps)
+        self.drafted_tokens.inc(stats.drafted)
+        self.accepted_tokens.inc(stats.accepted)
+        for counter, counts in ((self.drafted_per_position, stats.drafted_per_position),
+                                (self.accepted_per_position, stats.accepted_per_position)):
+            for position, count in enumerate(counts):
+                if count:
+                    counter.labels(position=str(position)).inc(count)
+
+    def set_serving(self, version: str | None, model_version: str | None, drafter: str) -> None:
+        self.bundle_info.clear()  # exactly one series: the model serving right now
+        self.bundle_info.labels(version=version or "none", model_version=model_version or "none",
+                                drafter=drafter).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

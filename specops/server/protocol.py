@@ -1,0 +1,182 @@
+"""The OpenAI wire format: request bodies, error objects, responses and stream chunks.
+
+Request models are strict: unknown fields and wrong types are a 400 (the official client only
+sends what it is given, so this refuses typos rather than silently ignoring them). Fields whose
+feature is not implemented here (n > 1, penalties, logit_bias) are accepted only at their neutral
+value, because common client libraries send those defaults explicitly. `user` and a message's
+`name` are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from specops.server.worker import Completion
+
+MAX_STOP_STRINGS = 4  # as in OpenAI's API
+# Accepted only at these values: one choice per request (the drafter serves one sequence at a time)
+# and no penalties (they would change the target distribution that verification preserves).
+NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """Fields both endpoints share."""
+
+    model: str | None = None  # None: the one model this server serves
+    max_tokens: int | None = Field(None, ge=1)  # None: the server's default, cut to the context left
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default; 0 is greedy (and lossless-checkable)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # an extension (as in vLLM); 0 disables it
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # None: a random seed, recorded in the feedback log
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; never stored
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _neutral_only(cls, value: float, info: ValidationInfo) -> float:
+        if value != NEUTRAL[info.field_name]:
+            raise ValueError(f"this server supports only {info.field_name}={NEUTRAL[info.field_name]}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("this server does not support logit_bias")
+        return bias
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]  # text (no chat template) or token ids
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted for compatibility; the chat template has no use for it
+
+    def as_template_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+
+def usage(completion: Completion) -> dict[str, Any]:
+    """OpenAI's token counts plus the speculative decoding counters of this request."""
+    stats = completion.stats
+    generated = len(completion.output_ids)
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": completion.prompt_tokens + generated, "drafted": stats.drafted,
+            "accepted": stats.accepted, "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            # A lossy mode's output is not the target's own: say so, and how lossy (specops/lossy/autojudge.py, arbitrage.py).
+            "lossy": stats.lossy, **({"lossy_mode": stats.lossy_mode, "lossy_threshold": stats.lossy_threshold}
+                                     if stats.lossy else {})}
+
+
+def system_fingerprint(completion: Completion) -> str:
+    """OpenAI's field for "the backend configuration that produced this": here the bundle or the drafter."""
+    model = completion.model
+    return f"bundle-{model.bundle_version}" if model.bundle_version else f"drafter-{model.drafter}"
+
+
+class ResponseBuilder:
+    """Builds the response and stream chunks of one request, for either endpoint."""
+
+    def __init__(self, chat: bool, request_id: str, model_name: str) -> None:
+        self.chat = chat
+        self.request_id = request_id
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model_name,
+                "choices": choices}
+
+    def response(self, text: str, completion: Completion) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": completion.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason}
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        return {**body, "usage": usage(completion), "system_fingerprint": system_fingerprint(completion)}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+        """A stream chunk: the role announcement (chat only), a text delta, or the final finish_reason."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, completion: Completion) -> dict[str, Any]:
+        """The extra last chunk OpenAI sends with stream_options.include_usage: no choices, only usage."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        return {**body, "usage": usage(completion), "system_fingerprint": system_fingerprint(completion)}

@@ -1,0 +1,90 @@
+"""Greedy speculative output must be token-identical to the target's own greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specops.core.loop import SpeculativeGenerator
+from specops.core.verify import VERIFIERS
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.prompt_lookup import PromptLookupDrafter
+from specops.drafters.recycling import RecyclingDrafter, merge_chain
+
+PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7]]
+
+
+def reference(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, attention_mask=None)
+    return out[0, len(prompt):].tolist()
+
+
+def make_drafters(target, draft_model):
+    vocab = target.vocab_size
+    return {
+        "none": None,
+        "prompt-lookup": PromptLookupDrafter(max_ngram=3),
+        "recycling": RecyclingDrafter(vocab, num_nodes=12),
+        "hybrid": RecyclingDrafter(vocab, num_nodes=6, lookup=PromptLookupDrafter(max_ngram=2)),
+        "draft-lm": DraftLMDrafter(draft_model, vocab),
+        "self-draft": DraftLMDrafter(target.model, vocab),  # every draft accepted: exercises the bonus path
+        "draft-lm-tree": DraftLMDrafter(draft_model, vocab, tree_nodes=8, tree_top_k=3),
+        "self-draft-tree": DraftLMDrafter(target.model, vocab, tree_nodes=6, tree_top_k=2),
+    }
+
+
+@pytest.mark.parametrize("verifier", list(VERIFIERS))
+def test_every_drafter_matches_target_greedy(target, draft_model, verifier):
+    for name, drafter in make_drafters(target, draft_model).items():
+        generator = SpeculativeGenerator(target, drafter, verifier=verifier, draft_tokens=4)
+        for prompt in PROMPTS:
+            for n in (1, 7, 40):
+                got = generator.generate(prompt, n).token_ids
+                assert got == reference(target.model, prompt, n), (name, verifier, prompt, n)
+
+
+def test_self_draft_accepts_everything(target):
+    generator = SpeculativeGenerator(target, DraftLMDrafter(target.model, target.vocab_size), draft_tokens=4)
+    result = generator.generate(PROMPTS[2], 30)
+    stats = result.stats
+    assert result.finish_reason == "length"  # no EOS within 30 tokens, so every step drafted 4
+    assert stats.accepted == stats.drafted > 0
+    assert stats.mean_accepted_length > 4.0
+
+
+def test_merge_chain_is_a_trie_insert():
+    tokens, parents = [5, 6, 7], [-1, -1, 0]  # root -> 5 -> 7, root -> 6
+    assert merge_chain(tokens, parents, [5, 7, 9, 1]) == ([5, 6, 7, 9, 1], [-1, -1, 0, 2, 3])
+    assert merge_chain(tokens, parents, [6]) == (tokens, parents)
+    assert merge_chain([], [], [3, 4]) == ([3, 4], [-1, 0])
+
+
+def test_recycling_learns_and_accepts(target):
+    drafter = RecyclingDrafter(target.vocab_size, num_nodes=16)
+    generator = SpeculativeGenerator(target, drafter, draft_tokens=8)
+    prompt = PROMPTS[2]
+    generator.generate(prompt, 40)  # warms the adjacency matrix
+    again = generator.generate(prompt, 40)
+    assert again.stats.accepted > 0
+    assert again.stats.mean_accepted_length > 1.0
+
+
+def test_reduced_vocabulary_draft_proposes_only_its_tokens_and_stays_lossless(target):
+    from specops.core.sampling import logits_to_probs
+    from specops.core.types import SamplingParams
+
+    vocab = torch.arange(0, target.vocab_size, 3)  # every third token
+    drafter = DraftLMDrafter(target.model, target.vocab_size, vocab=vocab)
+    prompt = PROMPTS[2]
+    full = target.model(torch.tensor([prompt])).logits[0, -1]
+    restricted = torch.full_like(full, float("-inf"))
+    restricted[vocab] = full[vocab]
+    assert drafter.propose(prompt, 1, SamplingParams(), None).tokens == [int(restricted.argmax())]
+    drafter.reset()
+    sampling = SamplingParams(temperature=1.0)
+    q = drafter.propose(prompt, 1, sampling, torch.Generator().manual_seed(0)).q[0]
+    torch.testing.assert_close(q, logits_to_probs(restricted, sampling))
+    assert q[1::3].sum() == 0 and q[2::3].sum() == 0
+    generator = SpeculativeGenerator(target, DraftLMDrafter(target.model, target.vocab_size, vocab=vocab), draft_tokens=4)
+    for prompt in PROMPTS:
+        assert generator.generate(prompt, 30).token_ids == reference(target.model, prompt, 30)

@@ -1,0 +1,281 @@
+"""Sampled speculative decoding follows the target's distribution end to end, through the real loop.
+
+The pure rules are tested in test_verify_distribution.py. Here the whole `SpeculativeGenerator` runs:
+its cache and rollback, every drafter kind (chain and tree, model-free and model-based, feature
+readers), every sampling verifier and every draft-length policy, at temperature 1 and with top-k and
+top-p. Target and draft are `TableLM`s, exact fp64 conditional tables over 3 tokens, so the exact
+distribution of any window of generated tokens is known; chi-square tests compare it with N seeded
+generations of 8 tokens, on the first three (the first step drafts K = 3 tokens, so block
+verification's interior h_i are exercised) and on the last three (after several steps of cache
+rollback, drafter state and policy updates).
+
+Must-fail controls, run with the same seeds and sample sizes as the correct ones, show the test has the
+power to catch: the old goodput_head trim applied while sampling (it verifies a prefix chosen from each
+token's own predicted acceptance), a tree walk that reads the root's row at every depth, and a chain
+rule that resamples from p instead of the residual. Every test prints its p-value (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter, defaultdict
+from collections.abc import Callable
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specops.core.cost_model import CostModel
+from specops.core.drafter import Draft, Drafter, DrafterBase
+from specops.core.loop import SpeculativeGenerator
+from specops.core.policies import (
+    FixedPolicy,
+    GoodputPolicy,
+    HeadGoodputPolicy,
+    HeuristicPolicy,
+    SpecDecPPPolicy,
+)
+from specops.core.sampling import logits_to_probs, sample
+from specops.core.types import SamplingParams
+from specops.core.verify import VERIFIERS
+from specops.drafters.acceptance_head import AcceptanceHead, AcceptanceHeadConfig
+from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
+from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.prompt_lookup import PromptLookupDrafter
+from specops.drafters.recycling import RecyclingDrafter
+from tests.core.table_lm import TableLM, table_target
+
+V, K, N = 3, 3, 1200
+PROMPT = [0, 1, 2, 0, 1]  # "0 1" repeats, so prompt lookup drafts from the first step on
+MAX_NEW = 8
+WINDOWS = ((0, 3), (5, 8))  # generated positions compared with the exact distribution
+TARGET = TableLM(V, salt=0, sharpness=1.5)
+DRAFT = TableLM(V, salt=1, sharpness=2.5)  # sharper and different: many rejections, large residuals
+TEMPERATURE = SamplingParams(temperature=1.0)
+ALPHA = 1e-3  # a correct combination must not be rejected at this level (seeds are fixed: no flakes)
+MUTANT_ALPHA = 1e-6  # a mutant must be rejected at this level
+# Step times for the goodput policies: verification grows with the tokens verified, so trimming
+# and shorter drafts both pay for a weak draft.
+COST = CostModel(draft_token_s=0.05, verify_s=((1, 1.0), (2, 1.6), (4, 2.0), (8, 3.0)))
+
+
+def acceptance_head() -> AcceptanceHead:
+    """A fixed logistic head on q(x) alone: P(accept) = sigmoid(6 q(x) - 3), ~0.2 to ~0.95 here. The
+    prediction depends on the drafted token itself, which is what a trim must not act on."""
+    head = AcceptanceHead(AcceptanceHeadConfig(hidden_size=V, hidden_units=0))  # float32, as it reads features
+    with torch.no_grad():
+        head.net.weight.zero_()
+        head.net.weight[0, V] = 6.0  # the q(x) feature
+        head.net.bias.fill_(-3.0)
+    return head.eval()
+
+
+def aligned_drafter(tree_nodes: int = 0) -> AlignedHeadDrafter:
+    torch.manual_seed(7)
+    cfg = AlignedHeadConfig(hidden_size=V, target_vocab_size=V, hidden_layers=[0], num_target_layers=1,
+                            num_attention_heads=1, num_key_value_heads=1, head_dim=4, intermediate_size=8)
+    head = AlignedHead(cfg).double()
+    with torch.no_grad():  # sharpen the random head so its drafts differ from uniform
+        for p in head.parameters():
+            p.mul_(3.0)
+    return AlignedHeadDrafter(head, TARGET, tree_nodes=tree_nodes, tree_top_k=2)
+
+
+class TrimWhileSampling(DrafterBase):
+    """Must-fail control: the loop's old goodput_head behaviour at temperature > 0, verifying only the
+    draft prefix that `trim` picks from the drafted tokens' own predicted acceptance."""
+
+    name = "trim-while-sampling"
+    predicts_acceptance = True
+
+    def __init__(self, inner: DraftLMDrafter, trim: Callable[[list[float]], int]) -> None:
+        self.inner, self.trim = inner, trim
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(self, context, k, sampling, generator, stop=None) -> Draft:
+        draft = self.inner.propose(context, k, sampling, generator, stop=stop)
+        return draft.prefix(self.trim(draft.accept_probs)) if draft.accept_probs else draft
+
+
+@functools.cache
+def exact_windows(sampling: SamplingParams) -> list[dict[tuple[int, ...], float]]:
+    """The exact distribution of each window of the generated tokens: every 8-token continuation with
+    its probability under the (transformed) target, summed into its windows."""
+    out: list[dict[tuple[int, ...], float]] = [defaultdict(float) for _ in WINDOWS]
+
+    def walk(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == MAX_NEW:
+            for dist, (a, b) in zip(out, WINDOWS, strict=True):
+                dist[prefix[a:b]] += prob
+            return
+        for token, p in enumerate(logits_to_probs(TARGET.log_probs(tuple(PROMPT) + prefix), sampling).tolist()):
+            if p > 0:
+                walk(prefix + (token,), prob * p)
+
+    walk((), 1.0)
+    return out
+
+
+def chi_square(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of samples against an exact distribution; cells expecting fewer than 5
+    samples are pooled. A sample the target gives probability 0 (top-k, top-p) is an outright failure."""
+    counts = Counter(samples)
+    if any(exact.get(seq, 0.0) == 0 for seq in counts):
+        return 0.0
+    n = len(samples)
+    big = [seq for seq in exact if exact[seq] * n >= 5]
+    small = [seq for seq in exact if 0 < exact[seq] * n < 5]
+    observed = [counts[seq] for seq in big] + ([sum(counts[seq] for seq in small)] if small else [])
+    expected = [exact[seq] * n for seq in big] + ([sum(exact[seq] for seq in small) * n] if small else [])
+    return float(chisquare(observed, expected).pvalue)
+
+
+def sampled_p_value(generator: SpeculativeGenerator, sampling: SamplingParams = TEMPERATURE) -> float:
+    """The smaller p-value of the two windows' tests over N seeded generations."""
+    runs = []
+    for seed in range(N):
+        out = generator.generate(PROMPT, MAX_NEW, sampling, seed=seed)
+        assert len(out.token_ids) == MAX_NEW and not out.stats.lossy
+        runs.append(tuple(out.token_ids))
+    return min(chi_square([run[a:b] for run in runs], exact)
+               for (a, b), exact in zip(WINDOWS, exact_windows(sampling), strict=True))
+
+
+def report(name: str, p: float) -> float:
+    print(f"\n{name}: p = {p:.3g}")
+    return p
+
+
+def draft_lm(head: bool = False, tree_nodes: int = 0) -> DraftLMDrafter:
+    return DraftLMDrafter(DRAFT, V, acceptance_head() if head else None, tree_nodes=tree_nodes, tree_top_k=2)
+
+
+CHAIN_DRAFTERS: dict[str, Callable[[], Drafter]] = {
+    "prompt-lookup": lambda: PromptLookupDrafter(max_ngram=2),
+    "draft-lm": draft_lm,
+    "aligned_head": aligned_drafter,
+}
+TREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
+    "recycling": lambda: RecyclingDrafter(V, num_nodes=6, top_k=3),
+    "hybrid": lambda: RecyclingDrafter(V, num_nodes=4, top_k=3, lookup=PromptLookupDrafter(max_ngram=2)),
+    "draft-lm-tree": lambda: draft_lm(tree_nodes=5),
+    "aligned_head_tree": lambda: aligned_drafter(tree_nodes=5),
+}
+POLICIES = {
+    "fixed": lambda: FixedPolicy(K),
+    "heuristic": lambda: HeuristicPolicy(K),
+    "goodput": lambda: GoodputPolicy(K, COST),
+    "specdecpp": lambda: SpecDecPPPolicy(K, threshold=0.5),
+    "goodput_head": lambda: HeadGoodputPolicy(K, COST),
+}
+HEAD_POLICIES = ("specdecpp", "goodput_head")
+SAMPLING_VERIFIERS = [v for v in VERIFIERS if v != "greedy"]
+# Which drafters each policy sets the length of (as specops.drafters.factory allows), and the fixed policy for all.
+CHAIN_CASES = [(d, v, p) for d in CHAIN_DRAFTERS for v in SAMPLING_VERIFIERS for p in POLICIES
+               if p == "fixed" or (d == "draft-lm" and p != "fixed") or (d == "prompt-lookup" and p in ("heuristic", "goodput"))]
+
+
+def test_every_policy_is_covered():
+    from specops.core.policies import POLICIES as ALL
+
+    assert set(POLICIES) == set(ALL)
+    assert {p for _, _, p in CHAIN_CASES} == set(ALL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("drafter", "verifier", "policy"), CHAIN_CASES, ids=["-".join(c) for c in CHAIN_CASES])
+def test_chain_drafters_sample_the_target_distribution(drafter, verifier, policy):
+    built = draft_lm(head=True) if policy in HEAD_POLICIES else CHAIN_DRAFTERS[drafter]()
+    generator = SpeculativeGenerator(table_target(TARGET), built, verifier, K, policy=POLICIES[policy]())
+    assert report(f"{drafter} {verifier} {policy}", sampled_p_value(generator)) > ALPHA
+
+
+@pytest.mark.slow
+def test_tree_walk_samples_the_target_distribution():
+    """Trees are verified by the tree walk whatever chain verifier is named."""
+    generator = SpeculativeGenerator(table_target(TARGET), TREE_DRAFTERS["draft-lm-tree"](), "rejection", K)
+    assert report("draft-lm-tree tree walk", sampled_p_value(generator)) > ALPHA
+
+
+@pytest.mark.parametrize("drafter", list(TREE_DRAFTERS))
+def test_tree_drafters_draw_what_plain_sampling_draws(drafter):
+    """The tree walk draws y ~ p once per emitted token, as plain sampling does, and descends where y
+    was drafted: with the same seed every tree drafter emits exactly plain sampling's tokens."""
+    tree = SpeculativeGenerator(table_target(TARGET), TREE_DRAFTERS[drafter](), "rejection", K)
+    plain = SpeculativeGenerator(table_target(TARGET), None, "rejection", K)
+    accepted = 0
+    for seed in range(150):
+        out = tree.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed)
+        assert out.token_ids == plain.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed).token_ids, seed
+        accepted += out.stats.accepted
+    assert accepted > 0  # the trees did shorten decoding, so the walk descended into them
+
+
+TRUNCATIONS = {"top_k=2": SamplingParams(temperature=1.0, top_k=2), "top_p=0.8": SamplingParams(temperature=1.5, top_p=0.8)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier", SAMPLING_VERIFIERS + ["tree"])
+@pytest.mark.parametrize("truncation", list(TRUNCATIONS))
+def test_truncated_sampling_keeps_the_target_distribution(verifier, truncation):
+    """top-k and top-p cut tokens from p and q alike: drafted tokens the target gives 0 (p(x) = 0) and
+    target tokens the draft cannot propose (q(x) = 0) both occur here."""
+    drafter = draft_lm(tree_nodes=5) if verifier == "tree" else draft_lm()
+    generator = SpeculativeGenerator(table_target(TARGET), drafter, "rejection" if verifier == "tree" else verifier, K)
+    sampling = TRUNCATIONS[truncation]
+    assert report(f"draft-lm {verifier} {truncation}", sampled_p_value(generator, sampling)) > ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier", SAMPLING_VERIFIERS)
+def test_trimming_while_sampling_is_caught(verifier):
+    """The bug this file was written for: goodput_head's trim applied at temperature > 0."""
+    policy = HeadGoodputPolicy(K, COST)
+    drafter = TrimWhileSampling(draft_lm(head=True), policy.best_prefix)
+    generator = SpeculativeGenerator(table_target(TARGET), drafter, verifier, K, policy=policy)  # type: ignore[arg-type]
+    assert report(f"mutant: goodput_head trim while sampling, {verifier}", sampled_p_value(generator)) < MUTANT_ALPHA
+
+
+@pytest.mark.slow
+def test_wrong_tree_walk_is_caught(monkeypatch):
+    """A tree walk that draws every level from the root's distribution must fail the same test."""
+    import specops.core.loop as loop
+    from specops.core.verify import verify_tree
+
+    def root_row_walk(tokens, parents, p, greedy, generator=None):
+        return verify_tree(tokens, parents, p[:1].expand(p.shape[0], -1), greedy, generator)
+
+    monkeypatch.setattr(loop, "verify_tree", root_row_walk)
+    generator = SpeculativeGenerator(table_target(TARGET), draft_lm(tree_nodes=5), "rejection", K)
+    assert report("mutant: tree walk on the root's row", sampled_p_value(generator)) < MUTANT_ALPHA
+
+
+@pytest.mark.slow
+def test_wrong_chain_rule_is_caught(monkeypatch):
+    """Resampling from p after a rejection (forgetting the residual) must fail the same test."""
+    from specops.core.verify import _draft_probs
+
+    def resample_from_p(draft, q, p, generator=None):
+        q_dense = _draft_probs(draft, q, p)
+        for i in range(draft.shape[0]):
+            if torch.rand(1, generator=generator, dtype=p.dtype) >= p[i, draft[i]] / q_dense[i, draft[i]]:
+                return i, sample(p[i], generator)
+        return draft.shape[0], sample(p[-1], generator)
+
+    monkeypatch.setitem(VERIFIERS, "rejection", resample_from_p)
+    generator = SpeculativeGenerator(table_target(TARGET), draft_lm(), "rejection", K)
+    assert report("mutant: resample from p, draft-lm", sampled_p_value(generator)) < MUTANT_ALPHA
+
+
+def test_trim_still_applies_at_temperature_zero():
+    """goodput_head keeps its trim where it is exact: greedy verification of the same drafter."""
+    policy = HeadGoodputPolicy(K, COST)
+    generator = SpeculativeGenerator(table_target(TARGET), draft_lm(head=True), "greedy", K, policy=policy)
+    trimmed = generator.generate(PROMPT, 12)
+    plain = SpeculativeGenerator(table_target(TARGET), None, "greedy", K).generate(PROMPT, 12)
+    assert trimmed.token_ids == plain.token_ids
+    steps, drafted = trimmed.stats.steps, trimmed.stats.drafted
+    assert drafted < steps * K  # some drafts were cut (the head's predictions are low for weak tokens)

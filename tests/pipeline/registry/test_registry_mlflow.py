@@ -1,0 +1,198 @@
+"""register -> promote -> publish against a throwaway sqlite MLflow store, and the pyfunc model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from specops.eval.gate import GateConfig
+from specops.pipeline.registry import (
+    CHALLENGER,
+    CHAMPION,
+    RegistryError,
+    bundle_artifact_path,
+    ensure_experiment,
+    promote,
+    publish,
+    register_bundle,
+    requests_from_input,
+)
+from specops.server.bundle import BundleError, load_bundle
+
+MODEL = "tiny-drafter"
+GATE = GateConfig(speedup_tolerance=0.05)
+
+
+@pytest.fixture
+def register(mlflow_store: Path, make_bundle: Any, tmp_path: Path) -> Any:
+    """register(name, speedup) writes a bundle with that eval snapshot and registers it."""
+
+    def run(name: str, speedup: float, lossless: bool = True) -> tuple[str, str, Path]:
+        snapshot = {"method": "draft-lm+greedy", "speedup_vs_ar": speedup, "identical_to_ar": lossless,
+                    "mean_accepted_length": 2.0, "accepted_per_position": [5, 3, 1],
+                    "by_method": {"prompt_lookup+greedy": {"speedup_vs_ar": 0.9}}}
+        root = make_bundle(name, metrics=snapshot)
+        plot = tmp_path / f"{name}-acceptance.png"
+        plot.write_bytes(b"\x89PNG\r\n\x1a\n")
+        run_id, version = register_bundle(root, model_name=MODEL, experiment="test", artifact_root=str(mlflow_store),
+                                          params={"train_draft": {"lr": 0.001, "epochs": 2}}, plots=[plot])
+        return run_id, version, root
+
+    return run
+
+
+def _aliases() -> dict[str, str]:
+    return {alias: str(v) for alias, v in MlflowClient().get_registered_model(MODEL).aliases.items()}
+
+
+def _version_artifact_dir(version: str) -> Path:
+    """Where the local artifact store keeps a version's bundle (to tamper with it)."""
+    model_id = MlflowClient().get_model_version(MODEL, version).source.removeprefix("models:/")
+    model_dir = Path(mlflow.get_logged_model(model_id).artifact_location.removeprefix("file://"))
+    return model_dir / bundle_artifact_path(MODEL, version)
+
+
+def test_register_logs_a_run_and_sets_challenger(register, mlflow_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # so a stray ./mlruns would show up here
+    run_id, version, root = register("b1", speedup=1.5)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+
+    assert _aliases() == {CHALLENGER: version}
+    assert run.data.params["train_draft.lr"] == "0.001"
+    assert run.data.params["bundle.serving.verifier"] == "greedy"
+    assert run.data.metrics["speedup_vs_ar"] == 1.5
+    assert run.data.metrics["identical_to_ar"] == 1.0
+    assert [m.value for m in client.get_metric_history(run_id, "accepted_per_position")] == [5, 3, 1]
+    assert run.data.metrics["by_method.prompt_lookup_greedy.speedup_vs_ar"] == 0.9  # "+" is not a valid key char
+    tags = run.data.tags
+    assert tags["git_sha"] == "0" * 40  # recorded by the bundle that was registered
+    assert tags["eval.method"] == "draft-lm+greedy"
+    assert tags["bundle.version"] == load_bundle(root).version
+    assert tags["registered_model_version"] == version
+    assert {"version.torch", "version.transformers", "version.mlflow", "version.specops"} <= set(tags)
+    assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/b1-acceptance.png"]
+    assert client.get_model_version(MODEL, version).tags["bundle.version"] == load_bundle(root).version
+    # Artifacts land under the configured root, and the registered bundle is byte-identical.
+    assert load_bundle(_version_artifact_dir(version)).version == load_bundle(root).version
+    assert _version_artifact_dir(version).is_relative_to(mlflow_store)
+    assert not (tmp_path / "mlruns").exists()
+    requirements = (_version_artifact_dir(version).parents[1] / "requirements.txt").read_text()
+    assert "torch==" in requirements and "+cpu" not in requirements
+
+
+def test_promote_moves_champion_only_when_the_gate_passes(register):
+    _, v1, _ = register("b1", speedup=1.5)
+    first = promote(MODEL, gate_cfg=GATE)
+    assert first["passed"] and "no champion yet" in first["reason"]
+    assert (first["previous_champion_version"], first["champion_version"]) == (None, v1)
+    assert _aliases()[CHAMPION] == v1
+
+    _, v2, _ = register("b2", speedup=1.2)  # 20% slower than the champion: refused
+    refused = promote(MODEL, gate_cfg=GATE)
+    assert not refused["passed"] and "slower than the champion" in refused["reason"]
+    assert (refused["challenger_version"], refused["champion_version"]) == (v2, v1)
+    assert refused["challenger"]["speedup_vs_ar"] == 1.2 and refused["champion"]["speedup_vs_ar"] == 1.5
+    assert _aliases() == {CHAMPION: v1, CHALLENGER: v2}
+    assert MlflowClient().get_model_version(MODEL, v2).tags["gate.passed"] == "false"
+    json.dumps(refused)  # the stage writes it to metrics/promotion.json as is
+
+    _, v3, _ = register("b3", speedup=1.45)  # 3% slower, within the 5% tolerance
+    moved = promote(MODEL, gate_cfg=GATE)
+    assert moved["passed"] and (moved["previous_champion_version"], moved["champion_version"]) == (v1, v3)
+    assert _aliases() == {CHAMPION: v3, CHALLENGER: v3}
+
+
+def test_promote_refuses_a_lossy_challenger_without_champion(register):
+    register("lossy", speedup=3.0, lossless=False)
+    decision = promote(MODEL, gate_cfg=GATE)
+    assert not decision["passed"] and "not lossless" in decision["reason"]
+    assert CHAMPION not in _aliases()
+
+
+def test_promote_without_registered_model_says_what_to_run(mlflow_store):
+    with pytest.raises(RegistryError, match="No registered model 'tiny-drafter'.*run the register stage first"):
+        promote(MODEL, gate_cfg=GATE)
+
+
+def test_champion_pyfunc_generates_text(register, fake_factory):
+    _, _, root = register("b1", speedup=1.5)
+    promote(MODEL, gate_cfg=GATE)
+    model = mlflow.pyfunc.load_model(f"models:/{MODEL}@{CHAMPION}")
+    version = load_bundle(root).version
+
+    (result,) = model.predict(["hi there"])
+    assert result["text"] == f"ereht ih|{version}|64|0.0"
+    assert result["token_ids"] == [1, 2, 3] and result["stats"]["new_tokens"] == 3
+
+    frame = model.predict(pd.DataFrame({"prompt": ["ab", "cd"], "max_new_tokens": [8, 16]}))
+    assert isinstance(frame, pd.DataFrame)
+    assert list(frame["text"]) == [f"ba|{version}|8|0.0", f"dc|{version}|16|0.0"]
+
+    (single,) = model.predict({"prompt": "xy", "temperature": 0.5})
+    assert single["text"] == f"yx|{version}|64|0.5"
+
+
+def test_pyfunc_refuses_a_tampered_bundle(register, fake_factory):
+    _, version, _ = register("b1", speedup=1.5)
+    (_version_artifact_dir(version) / "serving.yaml").write_text("drafter: draft-lm\nverifier: rejection\n")
+    with pytest.raises(BundleError, match=r"'serving\.yaml' does not match its checksum"):
+        mlflow.pyfunc.load_model(f"models:/{MODEL}@{CHALLENGER}")
+
+
+def test_requests_from_input_shapes():
+    assert requests_from_input("a") == [{"prompt": "a"}]
+    assert requests_from_input(["a", {"prompt": "b", "seed": 3}]) == [{"prompt": "a"}, {"prompt": "b", "seed": 3}]
+    assert requests_from_input({"prompt": ["a", "b"], "max_new_tokens": [4, 5]}) == [
+        {"prompt": "a", "max_new_tokens": 4}, {"prompt": "b", "max_new_tokens": 5}]
+    # Rows that set different optional fields leave NaN holes, and ints become floats: both are undone.
+    holes = pd.DataFrame([{"prompt": "a", "seed": 1}, {"prompt": "b"}])
+    assert requests_from_input(holes) == [{"prompt": "a", "seed": 1}, {"prompt": "b"}]
+    assert isinstance(requests_from_input(holes)[0]["seed"], int)
+
+
+@pytest.mark.parametrize(
+    ("model_input", "message"),
+    [
+        ({"prompt": "a", "max_tokens": 3}, r"Unknown input field\(s\): max_tokens"),
+        ({"max_new_tokens": 3}, "Every input needs a 'prompt'"),
+        ({"prompt": "a", "max_new_tokens": 2.5}, "'max_new_tokens' must be int"),
+        ({"prompt": 7}, "'prompt' must be str"),
+    ],
+)
+def test_requests_from_input_refuses_bad_fields(model_input, message):
+    with pytest.raises(ValueError, match=message):
+        requests_from_input(model_input)
+
+
+def test_publish_writes_a_verified_bundle_and_keeps_it_when_the_next_fails(register, tmp_path):
+    _, v1, root1 = register("b1", speedup=1.5)
+    promote(MODEL, gate_cfg=GATE)
+    out = tmp_path / "bundles" / "champion"
+    published = publish(MODEL, alias=CHAMPION, out_dir=out)
+    assert published["version"] == v1
+    assert load_bundle(out).version == load_bundle(root1).version == published["bundle_version"]
+
+    _, v2, _ = register("b2", speedup=1.6)
+    promote(MODEL, gate_cfg=GATE)
+    (_version_artifact_dir(v2) / "drafter" / "config.json").write_text("{}")  # corrupted in the store
+    with pytest.raises(BundleError, match=rf"Version {v2} of 'tiny-drafter' failed verification.*drafter/config\.json"):
+        publish(MODEL, alias=CHAMPION, out_dir=out)
+    assert load_bundle(out).version == load_bundle(root1).version  # the old champion is still served
+    assert [p.name for p in out.parent.iterdir()] == ["champion"]  # no staging folder left behind
+
+    with pytest.raises(RegistryError, match="has no 'canary' alias"):
+        publish(MODEL, alias="canary", out_dir=out)
+
+
+def test_existing_experiment_keeps_its_artifact_location(mlflow_store, tmp_path):
+    first = ensure_experiment("exp", str(mlflow_store))
+    assert mlflow.get_experiment(first).artifact_location == mlflow_store.resolve().as_uri()
+    with pytest.warns(UserWarning, match="already stores artifacts"):
+        assert ensure_experiment("exp", str(tmp_path / "elsewhere")) == first
