@@ -53,7 +53,7 @@ from transformers import PreTrainedModel
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import Target, encode_prompt, sha256_file
 from specops.core.types import DEFAULT_DRAFT_TOKENS, SamplingParams
-from specops.data.prompts import SPLITS
+from specops.data.prompts import SPLITS, read_split
 from specops.data.traces import (
     FORMAT,
     LOGPROB_DTYPES,
@@ -249,20 +249,14 @@ def reply_ids(target: Target, reply: str | None) -> list[int] | None:
 
 def load_prompts(path: Path, target: Target, limit: int | None) -> tuple[list[Prompt], int]:
     """Token ids of a split's prompts (the first `limit`), and how many were dropped for leaving no room to generate."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found. Run the prepare stage first.")
     prompts: list[Prompt] = []
     too_long = 0
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if limit is not None and len(prompts) + too_long >= limit:
-                break
-            row = json.loads(line)
-            ids = encode_prompt(target.tokenizer, row["messages"])
-            if len(ids) < target.max_context:
-                prompts.append(Prompt(row["id"], ids, reply_ids(target, row.get("reply"))))
-            else:
-                too_long += 1
+    for row in read_split(path)[:limit]:
+        ids = encode_prompt(target.tokenizer, row["messages"])
+        if len(ids) < target.max_context:
+            prompts.append(Prompt(row["id"], ids, reply_ids(target, row.get("reply"))))
+        else:
+            too_long += 1
     return prompts, too_long
 
 

@@ -141,6 +141,27 @@ def admit(candidate: Candidate, source: str, tokenizer: PreTrainedTokenizerBase,
     return {"id": row_id, "source": source, "messages": messages, "text": render(tokenizer, messages), **extras}
 
 
+def read_split(path: Path | str) -> list[dict[str, Any]]:
+    """The rows of a prepared split (write_jsonl's output: id, source, messages, text, [answer], [reply]).
+    The one reader of split files: collect, evaluate, the routers and OSD all read them here."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found. Run the prepare stage first.")
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not a JSON row ({error}); rerun the prepare stage.") from None
+            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+                raise ValueError(f"{path}:{number} has no 'messages' list; rerun the prepare stage.")
+            rows.append(row)
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write through a temporary name so a killed run never leaves a half-written split behind."""
     tmp = path.with_name(path.name + ".tmp")

@@ -7,7 +7,6 @@ older run.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import Target
 from specops.core.types import DEFAULT_DRAFT_TOKENS
+from specops.data.prompts import read_split as read_split_rows
 from specops.drafters.kinds import MethodSpec
 from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
 
@@ -51,10 +51,7 @@ class EvaluateConfig:
 
 
 def read_split(path: Path, n: int) -> list[list[dict[str, str]]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found. Run the prepare stage first.")
-    with open(path) as handle:
-        rows = [json.loads(line) for line in handle if line.strip()]
+    rows = read_split_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no prompts; lower prepare's filters or add prompts.")
     return [row["messages"] for row in rows[:n]]

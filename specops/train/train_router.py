@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specops.core.target import Target, encode_prompt
+from specops.data.prompts import read_split
 from specops.drafters.draft_lm import load_draft
 from specops.lossy.arbitrage import DEFAULT_DELIMITER, DEFAULT_MAX_STEP_TOKENS, boundary_ids
 from specops.lossy.greedy_lm import GreedyLM
@@ -90,11 +91,7 @@ class TrainRouterConfig:
 
 
 def read_rows(path: Path, scorer: str, n: int) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found. Run the prepare stage first.")
-    with open(path) as handle:
-        rows = [json.loads(line) for line in handle if line.strip()]
-    usable = [row for row in rows if scoreable(row, scorer)][:n]
+    usable = [row for row in read_split(path) if scoreable(row, scorer)][:n]
     if not usable:
         raise ValueError(f"{path} has no rows the {scorer} scorer can score (it needs "
                          f"{', '.join(REQUIRED_FIELDS[scorer])}); pick another scorer or add prompts.")

@@ -168,3 +168,19 @@ def test_config_comes_from_params_and_rejects_bad_values():
         build(PrepareConfig, {"sharegpt_maks": 10}, "prepare")
     with pytest.raises(ValueError, match="sum to less than 1"):
         PrepareConfig(val_fraction=0.6, test_fraction=0.4)
+
+
+def test_read_split_is_strict_and_names_the_line(tmp_path):
+    from specops.data.prompts import read_split
+
+    path = tmp_path / "test.jsonl"
+    with pytest.raises(FileNotFoundError, match="prepare stage"):
+        read_split(path)
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n\n{"id": "b"\n')
+    with pytest.raises(ValueError, match="test.jsonl:3 is not a JSON row"):
+        read_split(path)
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match="test.jsonl:3 has no 'messages'"):
+        read_split(path)
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n\n')
+    assert [row["id"] for row in read_split(path)] == ["a"]
