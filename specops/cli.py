@@ -86,7 +86,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_stage(args: argparse.Namespace) -> None:
     from specops.pipeline.stages import run_stage
 
-    run_stage(args.name, args.params)
+    given = dict(item.partition("=")[::2] for item in args.inputs)
+    if any(not name or not path for name, path in given.items()):
+        raise UserError("--in takes NAME=PATH, e.g. --in prompts=data/prompts")
+    run_stage(args.name, args.params, given)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -184,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run one DVC stage with its params.yaml section. Stages: " + ", ".join(STAGES))
     stage.add_argument("name", choices=list(STAGES))
     stage.add_argument("--params", default="params.yaml", help="the params file")
+    stage.add_argument("--in", dest="inputs", action="append", default=[], metavar="NAME=PATH",
+                       help="an input path (dvc.yaml passes each stage's; without it the path comes from the params file)")
     stage.set_defaults(func=cmd_stage)
 
     from specops.server.commands import register as register_serving_commands  # serve, feedback export

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specops.drafters.kinds import DRAFT_LM_KINDS
-from specops.pipeline.stages import Params, _mlflow_logger, _tracking, report_path, section, write_json
+from specops.pipeline.stages import Params, mlflow_logger, report_path, section, tracking, write_json
 
 log = logging.getLogger("specops.osd")
 
@@ -65,7 +65,7 @@ def parent_bundle(params: Params) -> Iterator[Any]:
     from specops.server.bundle import load_bundle
 
     info = read_window_info(osd_config(params).window_dir)
-    registry = _tracking(params)
+    registry = tracking(params)
     with tempfile.TemporaryDirectory(prefix="specops-osd-parent-") as tmp:
         bundle = load_bundle(download_bundle(registry.model_name, info["parent_version"], Path(tmp)))
         if bundle.drafter_kind not in DRAFT_LM_KINDS or bundle.drafter_dir is None:
@@ -110,7 +110,7 @@ def train(params: Params, target: Any) -> dict[str, Any]:
     cfg = osd_config(params)
     replay_dir = Path(section(params, CollectConfig, "collect").out_dir) / "train"
     with parent_bundle(params) as parent:
-        logger = _mlflow_logger(params, "osd_train")
+        logger = mlflow_logger(params, "osd_train")
         report = osd_distill(cfg, target, parent.drafter_dir, Path(cfg.traces_dir), replay_dir, logger=logger)
     write_json(report_path(params, "osd_train"), {**report, "mlflow_run_id": logger.run_id})
     return report
@@ -178,7 +178,7 @@ def register(params: Params, target: Any = None) -> dict[str, Any]:
     from specops.pipeline.registry import RegisterConfig, register_bundle
 
     cfg = osd_config(params)
-    registry = _tracking(params)
+    registry = tracking(params)
     register_cfg = section(params, RegisterConfig, "register")
     info = read_window_info(cfg.window_dir)
     evaluation = json.loads(Path(cfg.eval_out).read_text())
@@ -212,7 +212,7 @@ def promote(params: Params, target: Any = None) -> dict[str, Any]:
     from specops.pipeline.registry import promote as gate_and_move
 
     cfg = osd_config(params)
-    registry = _tracking(params)
+    registry = tracking(params)
     gate = section(params, PromoteConfig, "promote").gate
     evaluation = json.loads(Path(cfg.eval_out).read_text())
     registered = json.loads(report_path(params, "osd_register").read_text())

@@ -50,7 +50,7 @@ from specops.pipeline.osd_steps import (
 )
 from specops.pipeline.params import read_params
 from specops.pipeline.run_lock import LockHeldError, RunLock, lock_holder
-from specops.pipeline.stages import Params, _target, _tracking, write_json
+from specops.pipeline.stages import Params, stage_target, tracking, write_json
 from specops.pipeline.watermark import Watermark, WatermarkError, read_watermark, write_watermark
 
 log = logging.getLogger("specops.retrain")
@@ -110,7 +110,7 @@ def survey(params: Params) -> dict[str, Any]:
     from specops.server.feedback import log_state
 
     cfg = osd_config(params)
-    registry = _tracking(params)
+    registry = tracking(params)
     db = Path(cfg.feedback_db).resolve()
     stored = read_watermark(cfg.watermark_file, log_state(db, 0).log_id, db)
     watermark = recover(stored, registry.model_name)
@@ -227,7 +227,7 @@ def retrain(params: Params) -> dict[str, Any]:
         info = export_window(params, state)
         log.info("retrain: window rows %d..%d (%d requests), parent v%s", info["first_id"], info["last_id"],
                  info["rows"], info["parent_version"])
-        target = _target(params)
+        target = stage_target(params)
         outcome: dict[str, dict[str, Any]] = {}
         seconds: dict[str, float] = {}
         for name, step in STEPS.items():
@@ -246,7 +246,7 @@ def retrain(params: Params) -> dict[str, Any]:
 def run_step(name: str, params: Params) -> dict[str, Any]:
     """One step on the exported window, under the same lock; the watermark is not touched."""
     with RunLock(osd_config(params).lock_file):
-        return STEPS[name](params, _target(params) if name in NEEDS_TARGET else None)
+        return STEPS[name](params, stage_target(params) if name in NEEDS_TARGET else None)
 
 
 def cmd_retrain(args: argparse.Namespace) -> None:

@@ -1,13 +1,16 @@
-"""The DVC stages. Each is thin: read its params section, call the library, write its outputs.
+"""The DVC stages. Each is thin: read its params section and its input paths, call the library,
+write its outputs.
 
-Run one with `specops stage NAME`; `dvc repro` runs them in order (see dvc.yaml, whose paths are
-templated from params.yaml so no path is written twice).
+Run one with `specops stage NAME [--in NAME=PATH ...]`; `dvc repro` runs them in order (see dvc.yaml,
+whose paths are templated from params.yaml so no path is written twice, and whose cmd passes each
+stage's inputs: STAGE_INPUTS).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,6 +21,7 @@ from specops.pipeline.params import build, read_params
 
 log = logging.getLogger("specops.stages")
 Params = dict[str, Any]
+Inputs = dict[str, Path]  # a stage's input paths by name (STAGE_INPUTS)
 
 
 @dataclass
@@ -52,14 +56,14 @@ def report_path(params: Params, stage: str) -> Path:
     return Path(section(params, MetricsConfig, "metrics").dir) / f"{stage}.json"
 
 
-def _target(params: Params):
+def stage_target(params: Params):
     from specops.core.target import load_target
 
     cfg = section(params, TargetConfig, "target")
     return load_target(cfg.source, cfg.dtype)
 
 
-def _tracking(params: Params):
+def tracking(params: Params):
     from specops.pipeline.registry import RegistryConfig, tracking_setup
 
     cfg = section(params, RegistryConfig, "mlflow")
@@ -67,7 +71,7 @@ def _tracking(params: Params):
     return cfg
 
 
-def prepare(params: Params) -> None:
+def prepare(params: Params, inputs: Inputs) -> None:
     from specops.core.target import load_tokenizer
     from specops.data.prompts import PrepareConfig
     from specops.data.prompts import prepare as run
@@ -77,60 +81,53 @@ def prepare(params: Params) -> None:
     write_json(report_path(params, "prepare"), run(cfg, tokenizer).to_dict())
 
 
-def collect(params: Params) -> None:
+def collect(params: Params, inputs: Inputs) -> None:
     from specops.data.collect import CollectConfig
     from specops.data.collect import collect as run
-    from specops.data.prompts import PrepareConfig
 
     cfg = section(params, CollectConfig, "collect")
-    prompts_dir = section(params, PrepareConfig, "prepare").out_dir
-    write_json(report_path(params, "collect"), run(cfg, _target(params), prompts_dir))
+    write_json(report_path(params, "collect"), run(cfg, stage_target(params), inputs["prompts"]))
 
 
-def _mlflow_logger(params: Params, stage: str):
+def mlflow_logger(params: Params, stage: str):
     """A Lightning MLFlowLogger on the pipeline's tracking URI and experiment, one run per training stage."""
     from pytorch_lightning.loggers import MLFlowLogger
 
     from specops.pipeline.registry import RegisterConfig, ensure_experiment
 
-    registry = _tracking(params)
+    registry = tracking(params)
     register = section(params, RegisterConfig, "register")
     ensure_experiment(register.experiment, register.artifact_root)
     return MLFlowLogger(experiment_name=register.experiment, tracking_uri=registry.tracking_uri,
                         run_name=stage, tags={"stage": stage})
 
 
-def train_draft(params: Params) -> None:
-    from specops.data.collect import CollectConfig
+def train_draft(params: Params, inputs: Inputs) -> None:
     from specops.train.train_draft import TrainDraftConfig
     from specops.train.train_draft import train_draft as run
 
     cfg = section(params, TrainDraftConfig, "train_draft")
-    logger = _mlflow_logger(params, "train_draft")
-    report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
+    logger = mlflow_logger(params, "train_draft")
+    report = run(cfg, stage_target(params), inputs["traces"], logger=logger)
     write_json(report_path(params, "train_draft"), {**report, "mlflow_run_id": logger.run_id})
 
 
-def train_acceptance(params: Params) -> None:
-    from specops.data.collect import CollectConfig
+def train_acceptance(params: Params, inputs: Inputs) -> None:
     from specops.train.train_acceptance import TrainAcceptanceConfig
     from specops.train.train_acceptance import train_acceptance as run
-    from specops.train.train_draft import TrainDraftConfig
 
     cfg = section(params, TrainAcceptanceConfig, "train_acceptance")
-    draft = section(params, TrainDraftConfig, "train_draft").out_dir
-    traces = section(params, CollectConfig, "collect").out_dir
-    write_json(report_path(params, "train_acceptance"), run(cfg, _target(params), draft, traces))
+    write_json(report_path(params, "train_acceptance"),
+               run(cfg, stage_target(params), inputs["draft"], inputs["traces"]))
 
 
-def train_aligned(params: Params) -> None:
-    from specops.data.collect import CollectConfig
+def train_aligned(params: Params, inputs: Inputs) -> None:
     from specops.train.train_aligned import TrainAlignedConfig
     from specops.train.train_aligned import train_aligned as run
 
     cfg = section(params, TrainAlignedConfig, "train_aligned")
-    logger = _mlflow_logger(params, "train_aligned")
-    report = run(cfg, _target(params), section(params, CollectConfig, "collect").out_dir, logger=logger)
+    logger = mlflow_logger(params, "train_aligned")
+    report = run(cfg, stage_target(params), inputs["traces"], logger=logger)
     write_json(report_path(params, "train_aligned"), {**report, "mlflow_run_id": logger.run_id})
 
 
@@ -142,7 +139,7 @@ def _champion_generator(params: Params, target, workdir: Path):
     from specops.server.bundle import BundleError
     from specops.server.generator import generator_from_bundle
 
-    registry = _tracking(params)
+    registry = tracking(params)
     version = alias_version(registry.model_name, CHAMPION)
     if version is None:
         log.info("evaluate: no champion yet; the first lossless challenger will win the gate.")
@@ -156,66 +153,56 @@ def _champion_generator(params: Params, target, workdir: Path):
     return text_generator.generator(SamplingParams())
 
 
-def trained_models(params: Params):
-    """Where this pipeline's training stages write their drafters (missing ones are skipped)."""
+def trained_models(inputs: Inputs):
+    """The drafters this stage was given (missing folders are skipped)."""
     from specops.eval.evaluate import TrainedModels
-    from specops.train.train_acceptance import TrainAcceptanceConfig
-    from specops.train.train_aligned import TrainAlignedConfig
-    from specops.train.train_draft import TrainDraftConfig
 
-    return TrainedModels(draft_model=Path(section(params, TrainDraftConfig, "train_draft").out_dir),
-                         aligned_head=Path(section(params, TrainAlignedConfig, "train_aligned").out_dir),
-                         acceptance_head=Path(section(params, TrainAcceptanceConfig, "train_acceptance").out_dir))
+    return TrainedModels(draft_model=inputs["draft"], aligned_head=inputs["aligned"],
+                         acceptance_head=inputs["acceptance"])
 
 
-def evaluate(params: Params) -> None:
-    from specops.data.prompts import PrepareConfig
+def evaluate(params: Params, inputs: Inputs) -> None:
     from specops.eval import plots
     from specops.eval.evaluate import EvaluateConfig
     from specops.eval.evaluate import evaluate as run
 
     cfg = section(params, EvaluateConfig, "evaluate")
-    target = _target(params)
-    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
+    target = stage_target(params)
+    prompts_file = inputs["prompts"] / f"{cfg.split}.jsonl"
     with tempfile.TemporaryDirectory() as workdir:
         champion = _champion_generator(params, target, Path(workdir)) if cfg.compare_champion else None
-        report = run(cfg, target, prompts_file, trained_models(params), champion)
+        report = run(cfg, target, prompts_file, trained_models(inputs), champion)
     report.pop("per_prompt")
     write_json(cfg.out, report)
     plots.acceptance_per_position(report["methods"], Path(cfg.plots_dir) / "acceptance_per_position.png")
     plots.speedup_per_method(report["methods"], Path(cfg.plots_dir) / "speedup.png")
 
 
-def train_router(params: Params) -> None:
-    from specops.data.prompts import PrepareConfig
-    from specops.train.train_draft import TrainDraftConfig
+def train_router(params: Params, inputs: Inputs) -> None:
     from specops.train.train_router import TrainRouterConfig
     from specops.train.train_router import train_router as run
 
     cfg = section(params, TrainRouterConfig, "train_router")
-    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
-    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
-    write_json(report_path(params, "train_router"), run(cfg, _target(params), prompts_file, draft))
+    prompts_file = inputs["prompts"] / f"{cfg.split}.jsonl"
+    write_json(report_path(params, "train_router"), run(cfg, stage_target(params), prompts_file, inputs["draft"]))
 
 
-def lossy_eval(params: Params) -> None:
-    from specops.data.prompts import PrepareConfig
+def lossy_eval(params: Params, inputs: Inputs) -> None:
     from specops.eval import plots
     from specops.eval.lossy_eval import MODES, ORACLE, LossyEvalConfig
     from specops.eval.lossy_eval import lossy_eval as run
-    from specops.train.train_draft import TrainDraftConfig
     from specops.train.train_router import TrainRouterConfig
 
     cfg = section(params, LossyEvalConfig, "lossy_eval")
     router = section(params, TrainRouterConfig, "train_router")
-    prompts_file = Path(section(params, PrepareConfig, "prepare").out_dir) / f"{cfg.split}.jsonl"
-    draft = Path(section(params, TrainDraftConfig, "train_draft").out_dir)
-    report = run(cfg, _target(params), prompts_file, draft, Path(router.out_dir), oracle_margin=router.margin)
+    prompts_file = inputs["prompts"] / f"{cfg.split}.jsonl"
+    report = run(cfg, stage_target(params), prompts_file, inputs["draft"], inputs["router"],
+                 oracle_margin=router.margin)
     write_json(cfg.out, report)
     plots.speed_quality(report, [*MODES, ORACLE], Path(cfg.plot))
 
 
-def register(params: Params) -> None:
+def register(params: Params, inputs: Inputs) -> None:
     from specops.core.policies import HEAD_POLICIES
     from specops.core.target import load_tokenizer
     from specops.drafters.acceptance_head import HEAD_COMPONENT
@@ -228,20 +215,20 @@ def register(params: Params) -> None:
     cfg = section(params, RegisterConfig, "register")
     evaluation = section(params, EvaluateConfig, "evaluate")
     target_cfg = section(params, TargetConfig, "target")
-    report = json.loads(Path(evaluation.out).read_text())
+    report = json.loads(inputs["evaluation"].read_text())
     default = report["default"]
     method = MethodSpec.parse(default["method"])
     kind = method.kind
     decoding = method.decoding(DecodingConfig(draft_tokens=evaluation.draft_tokens))  # verifier auto: greedy or sampled
     serving = {k: v for k, v in asdict(decoding).items() if k != "drafter"}
-    models = trained_models(params)
+    models = trained_models(inputs)
     weights = {"draft_lm": models.draft_model, "aligned_head": models.aligned_head}.get(method.drafter.weights or "")
     extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
                           target_source=target_cfg.source, target_dtype=target_cfg.dtype, fingerprint=fingerprint,
                           metrics=default, extra_dirs=extra, git_sha=git_provenance().get("git_sha"), overwrite=True)
-    registry = _tracking(params)
+    registry = tracking(params)
     calibration = Path(section(params, TrainAcceptanceConfig, "train_acceptance").plot)
     plots = sorted(Path(evaluation.plots_dir).glob("*.png")) + ([calibration] if calibration.is_file() else [])
     tags = {f"{stage}_run_id": str(json.loads(path.read_text()).get("mlflow_run_id"))
@@ -253,39 +240,83 @@ def register(params: Params) -> None:
                                                  "version": version, "default": default})
 
 
-def promote(params: Params) -> None:
-    from specops.eval.evaluate import EvaluateConfig
+def promote(params: Params, inputs: Inputs) -> None:
     from specops.pipeline.registry import PromoteConfig
     from specops.pipeline.registry import promote as run
 
     cfg = section(params, PromoteConfig, "promote")
-    registry = _tracking(params)
-    report = json.loads(Path(section(params, EvaluateConfig, "evaluate").out).read_text())
+    registry = tracking(params)
+    report = json.loads(inputs["evaluation"].read_text())
     decision = run(registry.model_name, gate_cfg=cfg.gate, challenger_metrics=report["default"],
                    champion_metrics=report.get("champion"))
     write_json(cfg.decision_file, decision)
     log.info("promote: %s (%s)", "passed" if decision["passed"] else "refused", decision["reason"])
 
 
-def publish(params: Params) -> None:
+def publish(params: Params, inputs: Inputs) -> None:
     from specops.pipeline.registry import PublishConfig
     from specops.pipeline.registry import publish as run
 
     cfg = section(params, PublishConfig, "publish")
-    registry = _tracking(params)
+    registry = tracking(params)
     write_json(report_path(params, "publish"), run(registry.model_name, alias=cfg.alias, out_dir=cfg.out_dir))
 
 
-STAGES: dict[str, Callable[[Params], None]] = {
+STAGES: dict[str, Callable[[Params, Inputs], None]] = {
     "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_acceptance": train_acceptance,
     "train_aligned": train_aligned, "evaluate": evaluate, "train_router": train_router, "lossy_eval": lossy_eval,
     "register": register, "promote": promote, "publish": publish,
 }
 
 
-def run_stage(name: str, params_file: str | Path = "params.yaml") -> None:
+# What each stage reads from the stages before it: input name -> the path, as dvc.yaml writes it.
+# dvc.yaml's cmd passes every one as `--in NAME=PATH` (tests/pipeline/test_stage_deps.py checks that
+# they are exactly the stage's declared inputs, each also in its deps), so a stage run by DVC reads
+# what DVC tracks; run by hand without --in, a path is filled in from params.yaml the same way.
+STAGE_INPUTS: dict[str, dict[str, str]] = {
+    "prepare": {},
+    "collect": {"prompts": "${prepare.out_dir}"},
+    "train_draft": {"traces": "${collect.out_dir}"},
+    "train_aligned": {"traces": "${collect.out_dir}"},
+    "train_acceptance": {"traces": "${collect.out_dir}", "draft": "${train_draft.out_dir}"},
+    "evaluate": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}",
+                 "aligned": "${train_aligned.out_dir}", "acceptance": "${train_acceptance.out_dir}"},
+    "train_router": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}"},
+    "lossy_eval": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}", "router": "${train_router.out_dir}"},
+    "register": {"draft": "${train_draft.out_dir}", "aligned": "${train_aligned.out_dir}",
+                 "acceptance": "${train_acceptance.out_dir}", "evaluation": "${evaluate.out}"},
+    "promote": {"evaluation": "${evaluate.out}"},
+    "publish": {},
+}
+
+
+def resolve(template: str, params: Params) -> str:
+    """'${prepare.out_dir}/x' -> 'data/prompts/x', from params (DVC's own templating, for runs by hand)."""
+    def value(match: re.Match[str]) -> str:
+        node: Any = params
+        for key in match.group(1).split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"params has no '{match.group(1)}' to fill in {template}.")
+            node = node[key]
+        return str(node)
+    return re.sub(r"\$\{([\w.]+)\}", value, template)
+
+
+def stage_inputs(name: str, params: Params, given: dict[str, str] | None = None) -> Inputs:
+    """The stage's input paths: the ones given on the command line, the rest filled in from params."""
+    declared = STAGE_INPUTS[name]
+    unknown = sorted(set(given or {}) - set(declared))
+    if unknown:
+        raise ValueError(f"Stage '{name}' takes no input {', '.join(unknown)}; its inputs: "
+                         f"{', '.join(declared) or 'none'}.")
+    return {key: Path((given or {}).get(key) or resolve(template, params)) for key, template in declared.items()}
+
+
+def run_stage(name: str, params_file: str | Path = "params.yaml", given: dict[str, str] | None = None) -> None:
     if name not in STAGES:
         raise ValueError(f"Unknown stage '{name}'. Stages: {', '.join(STAGES)}.")
-    log.info("stage %s: starting", name)
-    STAGES[name](read_params(params_file))
+    params = read_params(params_file)
+    inputs = stage_inputs(name, params, given)
+    log.info("stage %s: starting (%s)", name, ", ".join(f"{k}={v}" for k, v in inputs.items()) or "no inputs")
+    STAGES[name](params, inputs)
     log.info("stage %s: done", name)

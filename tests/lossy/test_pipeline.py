@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specops.lossy.router import LinearRouter
-from specops.pipeline.stages import STAGES
+from specops.pipeline.stages import STAGES, stage_inputs
 from tests.lossy.conftest import DELIMITER
 
 POINT_KEYS = {"threshold", "speedup_vs_ar", "speedup_vs_lossless", "quality", "quality_drop", "scorer",
@@ -37,7 +37,7 @@ def params(tmp_path_factory: pytest.TempPathFactory, target, tokenizer, prompts_
 
 
 def test_train_router_then_lossy_eval(params):
-    STAGES["train_router"](params)
+    STAGES["train_router"](params, stage_inputs("train_router", params))
     report = json.loads((Path(params["metrics"]["dir"]) / "train_router.json").read_text())
     for kind in ("autojudge", "arbitrage"):
         router = LinearRouter.load(Path(params["train_router"]["out_dir"]) / kind, kind=kind)
@@ -47,7 +47,7 @@ def test_train_router_then_lossy_eval(params):
     assert report["autojudge"]["examples"] <= 12
     assert router.config.extra == {"delimiter": DELIMITER, "max_step_tokens": 6}
 
-    STAGES["lossy_eval"](params)
+    STAGES["lossy_eval"](params, stage_inputs("lossy_eval", params))
     lossy = json.loads(Path(params["lossy_eval"]["out"]).read_text())
     assert lossy["scorer"] == "target_likelihood" and lossy["prompts"] == 2
     assert lossy["lossless"]["identical_to_ar"] and lossy["lossless"]["quality"] == 1.0  # the target's own reply

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -35,3 +37,31 @@ def test_the_closure_follows_lazy_imports():
     assert {"specops.data.prompts", "specops.pipeline.stages"} <= modules
     assert "specops.train.train_draft" not in modules
     assert "specops.train.train_draft" in stage_modules("specops.pipeline.stages", "train_draft")
+
+
+MAIN_STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+@pytest.mark.parametrize("stage", list(MAIN_STAGES))
+def test_cmd_passes_exactly_the_stage_inputs(stage):
+    """The cmd names every input the stage reads (--in NAME=PATH), and each is a dep DVC tracks."""
+    from specops.pipeline.stages import STAGE_INPUTS
+
+    spec = MAIN_STAGES[stage]
+    assert spec["cmd"].split()[:3] == ["specops", "stage", stage]
+    given = dict(arg.partition("=")[::2] for arg in spec["cmd"].split()[3:][1::2])
+    assert spec["cmd"].split()[3:][::2] == ["--in"] * len(given)
+    assert given == STAGE_INPUTS[stage]
+    assert set(given.values()) <= set(spec["deps"])
+
+
+def test_stage_inputs_come_from_the_command_line_or_params():
+    from specops.pipeline.stages import stage_inputs
+
+    params = {"prepare": {"out_dir": "data/prompts"}}
+    assert stage_inputs("collect", params) == {"prompts": Path("data/prompts")}
+    assert stage_inputs("collect", params, {"prompts": "elsewhere"}) == {"prompts": Path("elsewhere")}
+    with pytest.raises(ValueError, match="takes no input traces"):
+        stage_inputs("collect", params, {"traces": "x"})
+    with pytest.raises(ValueError, match="params has no 'prepare.out_dir'"):
+        stage_inputs("collect", {})
