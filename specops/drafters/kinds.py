@@ -81,6 +81,17 @@ class DecodingConfig:
     # Accept when the router's P(this costs quality) is below it: 0 is lossless; None takes the trained default.
     lossy_threshold: float | None = None
     router_dir: str | None = None  # train_router's output folder; a bundle fills it from its router/ component
+    # The target runtime: 0 is the dynamic KV cache; N > 0 the static runtime (specops.core.kv.StaticLM),
+    # every pass N rows wide, so speculative output is bitwise plain decoding's through it in bf16 too.
+    # Chains only, of at most N - 1 tokens.
+    static_width: int = 0
+
+    def __post_init__(self) -> None:
+        if self.static_width < 0:
+            raise ValueError(f"static_width must be >= 0, got {self.static_width}.")
+        if self.static_width and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:
+            raise ValueError(f"The static runtime verifies chains only; '{self.drafter}' drafts trees "
+                             "(their rows would read ancestors at scattered cache slots). Use static_width 0.")
 
     @classmethod
     def from_serving(cls, serving: dict[str, Any]) -> DecodingConfig:

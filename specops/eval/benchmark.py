@@ -11,7 +11,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
@@ -28,6 +28,7 @@ from specops.drafters.kinds import DEFAULT_DRAFT_TOKENS, DecodingConfig, MethodS
 # A method maps prompt ids to (new token ids, our loop's stats or None for HF generate).
 Method = Callable[[list[int]], tuple[list[int], GenerationStats | None]]
 BASELINE = "hf_ar"
+PLAIN = "plain"  # our plain decoding through the same runtime: the reference every method must equal bitwise
 
 
 @dataclass
@@ -46,6 +47,7 @@ class BenchConfig:
     acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp and +goodput_head
     stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
+    static_width: int = 0  # our methods on the static runtime with passes this wide (DecodingConfig.static_width)
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
 
 
@@ -71,21 +73,26 @@ def build_methods(target: Target, cfg: BenchConfig,
     from specops.drafters.draft_lm import load_draft_model
 
     m = cfg.max_new_tokens
-    methods: dict[str, Method] = {BASELINE: _hf_method(target, m)}
+    methods: dict[str, Method] = {BASELINE: _hf_method(target, m),
+                                  PLAIN: _our_method(SpeculativeGenerator(target, None, "greedy", 0,
+                                                                          static_width=cfg.static_width), m)}
     if cfg.hf_prompt_lookup_tokens:
         methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
     if cfg.draft_model and cfg.hf_assisted:
         methods["hf_assisted"] = _hf_method(target, m, assistant_model=load_draft_model(cfg.draft_model, target.model.dtype))
     for spec in cfg.drafters:
         method = MethodSpec.parse(spec)
-        config = method.decoding(DecodingConfig(verifier="greedy", draft_tokens=cfg.draft_tokens))
+        # replace() re-checks the config: trees are refused on the static runtime here, before any model loads.
+        config = method.decoding(DecodingConfig(drafter="none", verifier="greedy", draft_tokens=cfg.draft_tokens,
+                                                static_width=cfg.static_width))
         if cfg.stop_threshold is not None:
             config.stop_threshold = cfg.stop_threshold
         head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
         weights = {"draft_lm": cfg.draft_model, "aligned_head": cfg.aligned_head}.get(method.drafter.weights or "")
         drafter = build_drafter(method.kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)
-        methods[spec] = _our_method(SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy), m)
+        generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width)
+        methods[spec] = _our_method(generator, m)
     for name, generator in (extra or {}).items():
         methods[name] = _our_method(generator, m)
     return methods
@@ -120,60 +127,100 @@ def acceptance_per_position(stats: GenerationStats) -> list[float]:
 
 
 def run_benchmark(target: Target, prompts: list[list[dict[str, str]]], cfg: BenchConfig,
-                  extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
-    return run_benchmark_ids(target, [encode_prompt(target.tokenizer, p) for p in prompts], cfg, extra)
+                  extra: dict[str, SpeculativeGenerator] | None = None, compare: Target | None = None) -> dict[str, Any]:
+    return run_benchmark_ids(target, [encode_prompt(target.tokenizer, p) for p in prompts], cfg, extra, compare)
+
+
+def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    """One thread reading `megabytes` of float32 (numpy sum), best of `repeats`: the bound a one-token
+    pass cannot beat, since it must stream every weight once."""
+    import numpy as np
+
+    data = np.ones(megabytes * (1 << 20) // 4, dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best / 1e9
+
+
+def physical_bound(target: Target) -> dict[str, float]:
+    """The fastest possible plain decoding: the target's weight bytes over the measured memory bandwidth."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    bandwidth = memory_bandwidth_gb_s()
+    return {"weight_bytes": weight_bytes, "bandwidth_gb_s": round(bandwidth, 2),
+            "bound_tokens_per_s": round(bandwidth * 1e9 / weight_bytes, 2)}
 
 
 def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig,
-                      extra: dict[str, SpeculativeGenerator] | None = None) -> dict[str, Any]:
-    """run_benchmark on prompts that are token ids already (e.g. served requests from the feedback log)."""
+                      extra: dict[str, SpeculativeGenerator] | None = None,
+                      compare: Target | None = None) -> dict[str, Any]:
+    """run_benchmark on prompts that are token ids already (e.g. served requests from the feedback log).
+
+    With `compare` (the same target in another dtype), HF greedy and our plain decoding also run on it,
+    interleaved with the rest, as `hf_ar[DTYPE]` and `plain[DTYPE]`; speedups are always against HF
+    greedy in the method's own dtype, and exactness against our plain decoding in it."""
     encoded = [ids for ids in prompts if len(ids) <= cfg.max_prompt_tokens]
     if not encoded:
         raise ValueError(f"Every prompt is longer than max_prompt_tokens={cfg.max_prompt_tokens}.")
     methods = build_methods(target, cfg, extra)
+    suffix = {name: "" for name in methods}  # names the baseline and plain decoding each method is judged by
+    if compare is not None:
+        tag = f"[{str(compare.model.dtype).removeprefix('torch.')}]"
+        plain_cfg = replace(cfg, drafters=[], hf_prompt_lookup_tokens=0, hf_assisted=False)
+        for name, run in build_methods(compare, plain_cfg).items():
+            methods[name + tag] = run
+            suffix[name + tag] = tag
     with torch.inference_mode():
         for run in methods.values():
             run(encoded[0][:32])  # warm-up: allocator, kernels, lazy imports
-    totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0} for name in methods}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0, "identical_plain": 0} for name in methods}
     merged: dict[str, GenerationStats] = {name: GenerationStats() for name in methods}
     per_prompt: list[dict[str, Any]] = []
     for ids in tqdm(encoded, desc="bench prompts", unit="prompt"):
-        reference: list[int] | None = None
+        outputs: dict[str, list[int]] = {}
         row: dict[str, Any] = {"prompt_tokens": len(ids)}
-        for name, run in methods.items():
+        for name, run in methods.items():  # interleaved: every method on this prompt before the next one
             start = time.perf_counter()
             with torch.inference_mode():
                 tokens, stats = run(ids)
             seconds = time.perf_counter() - start
-            reference = tokens if name == BASELINE else reference
+            outputs[name] = tokens
             total = totals[name]
             total["tokens"] += len(tokens)
             total["seconds"] += seconds
             if stats is not None:
                 merge_stats(merged[name], stats)
-            total["identical"] += int(tokens == reference)
-            row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4), "identical": tokens == reference}
+            row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4)}
+        for name, tokens in outputs.items():
+            same_ar, same_plain = tokens == outputs[BASELINE + suffix[name]], tokens == outputs[PLAIN + suffix[name]]
+            totals[name]["identical"] += int(same_ar)
+            totals[name]["identical_plain"] += int(same_plain)
+            row[name].update(identical=same_ar, identical_to_plain=same_plain)
         per_prompt.append(row)
-    base_tps = totals[BASELINE]["tokens"] / totals[BASELINE]["seconds"]
     results = {}
     for name, total in totals.items():
         tps = total["tokens"] / total["seconds"]
+        base = totals[BASELINE + suffix[name]]
         stats = merged[name]
         results[name] = {
             "tokens_per_s": round(tps, 3),
-            "speedup_vs_ar": round(tps / base_tps, 4),
+            "speedup_vs_ar": round(tps / (base["tokens"] / base["seconds"]), 4),  # HF greedy in the same dtype
             "mean_accepted_length": round(stats.mean_accepted_length, 4) if stats.steps else None,
             "acceptance_rate": round(stats.acceptance_rate, 4) if stats.steps else None,
             "acceptance_per_position": acceptance_per_position(stats),
             "draft_s": round(stats.draft_s, 3), "verify_s": round(stats.verify_s, 3),
-            "identical_to_ar": total["identical"] == len(encoded),
+            "identical_to_ar": total["identical"] == len(encoded),  # HF greedy's tokens, same dtype
+            "identical_to_plain": total["identical_plain"] == len(encoded),  # our plain decoding, same runtime
             "identical_prompts": total["identical"],
             "new_tokens": total["tokens"],
             "seconds": round(total["seconds"], 3),
         }
     return {"methods": results, "prompts": len(encoded), "config": asdict(cfg), "target": target.fingerprint.to_dict(),
-            "dtype": str(target.model.dtype).removeprefix("torch."), "environment": environment(),
-            "per_prompt": per_prompt, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "dtype": str(target.model.dtype).removeprefix("torch."), "bound": physical_bound(target),
+            "environment": environment(), "per_prompt": per_prompt,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def write_report(report: dict[str, Any], path: str) -> None:

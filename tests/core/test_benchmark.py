@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
+import pytest
+import torch
+
+from specops.eval.benchmark import BASELINE, PLAIN, BenchConfig, run_benchmark
 
 PROMPTS = [[{"role": "user", "content": "w1 w2 w3 w1 w2 w3"}], [{"role": "user", "content": "w9 w8 w7"}]]
 
@@ -11,7 +14,7 @@ def test_benchmark_reports_every_method(target):
     cfg = BenchConfig(n=2, max_new_tokens=16, drafters=["none", "prompt-lookup", "recycling@4", "recycling@8"])
     report = run_benchmark(target, PROMPTS, cfg)
     methods = report["methods"]
-    assert set(methods) == {BASELINE, "hf_prompt_lookup", "none", "prompt-lookup", "recycling@4", "recycling@8"}
+    assert set(methods) == {BASELINE, PLAIN, "hf_prompt_lookup", "none", "prompt-lookup", "recycling@4", "recycling@8"}
     assert methods[BASELINE]["speedup_vs_ar"] == 1.0
     for name, row in methods.items():
         assert row["identical_to_ar"], name
@@ -19,3 +22,20 @@ def test_benchmark_reports_every_method(target):
     assert methods["none"]["mean_accepted_length"] == 1.0  # plain decoding: one token per target pass
     assert methods["none"]["acceptance_rate"] == 0.0
     assert report["prompts"] == 2 and len(report["per_prompt"]) == 2
+    assert report["bound"]["weight_bytes"] == sum(p.numel() * 4 for p in target.model.parameters())
+    assert report["bound"]["bound_tokens_per_s"] > 0
+
+
+def test_static_runtime_bench_judges_each_dtype_by_its_own_plain_decoding():
+    from specops.core.target import target_from_model
+    from tests.conftest import tiny_llama, tiny_tokenizer
+
+    bf16 = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    fp32 = target_from_model(tiny_llama(0, hidden=64), tiny_tokenizer(), "t")
+    cfg = BenchConfig(n=2, max_new_tokens=12, drafters=["prompt-lookup@3"], static_width=4, hf_prompt_lookup_tokens=0)
+    methods = run_benchmark(bf16, PROMPTS, cfg, compare=fp32)["methods"]
+    assert set(methods) == {BASELINE, PLAIN, "prompt-lookup@3", f"{BASELINE}[float32]", f"{PLAIN}[float32]"}
+    assert methods[f"{BASELINE}[float32]"]["speedup_vs_ar"] == 1.0 == methods[BASELINE]["speedup_vs_ar"]
+    assert methods["prompt-lookup@3"]["identical_to_plain"] and methods[f"{PLAIN}[float32]"]["identical_to_plain"]
+    with pytest.raises(ValueError, match="chains only"):
+        run_benchmark(bf16, PROMPTS, BenchConfig(n=1, drafters=["recycling"], static_width=4))

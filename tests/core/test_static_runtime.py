@@ -1,0 +1,137 @@
+"""The static runtime is batch-invariant: a token's logits are bitwise the same whether it is decoded
+alone (plain decoding) or verified among drafts, in fp32 and bf16, so speculative output is bitwise
+plain decoding's through the same runtime. Mutants that must fail: no cache rewind, a pass width that
+follows the token count, and the dynamic cache (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specops.core.kv import CachedLM, StaticLM, static_cache_length
+from specops.core.loop import SpeculativeGenerator
+from specops.core.target import target_from_model
+from specops.core.verify import VERIFIERS
+from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
+from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.prompt_lookup import PromptLookupDrafter
+from specops.drafters.recycling import RecyclingDrafter
+from tests.conftest import tiny_llama, tiny_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PROMPT, TOKENS, CHUNKS = list(range(10, 50)), list(range(60, 71)), [4, 3, 1, 4]
+WIDTH = 4
+
+
+def rows_equal(make, prompt=PROMPT, tokens=TOKENS, chunks=CHUNKS) -> list[bool]:
+    """For each token: are its logits fed one at a time (plain decoding) bitwise those fed in chunks
+    (verification passes of several rows)?"""
+    plain = make()
+    plain.prefill(prompt[:-1])
+    one = [plain.forward([t])[0] for t in [prompt[-1], *tokens]]
+    verify = make()
+    verify.prefill(prompt[:-1])
+    seq, many, i = [prompt[-1], *tokens], [], 0
+    for size in chunks:
+        many += list(verify.forward(seq[i:i + size]))
+        i += size
+    return [torch.equal(a, b) for a, b in zip(one, many, strict=True)]
+
+
+@pytest.fixture(scope="module", params=list(DTYPES))
+def model(request):
+    return tiny_llama(0, dtype=DTYPES[request.param], hidden=64)
+
+
+def test_static_rows_are_bitwise_plain_decoding(model):
+    assert all(rows_equal(lambda: StaticLM(model, WIDTH, 256)))
+
+
+def test_a_rejection_rewinds_the_cache():
+    """After a crop (a rejected draft), the next pass overwrites the stale slots before anyone sees them."""
+    model = tiny_llama(0, hidden=64)
+    plain = StaticLM(model, WIDTH, 256)
+    plain.prefill(PROMPT[:-1])
+    expected = [plain.forward([t])[0] for t in [PROMPT[-1], 60, 61]]
+    spec = StaticLM(model, WIDTH, 256)
+    spec.prefill(PROMPT[:-1])
+    spec.forward([PROMPT[-1], 90, 91, 92])  # three drafts, all rejected
+    spec.crop(len(PROMPT))
+    got = [*spec.forward([60]), *spec.forward([61])]
+    assert torch.equal(expected[1], got[0]) and torch.equal(expected[2], got[1])
+
+
+def test_without_the_rewind_rows_differ(monkeypatch):
+    monkeypatch.setattr(StaticLM, "_rewind", lambda self, start: None)
+    assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
+
+
+def test_a_width_that_follows_the_tokens_differs_in_fp32(monkeypatch):
+    """The shape must not change with the number of drafts: one row vs four rows round differently."""
+    original = StaticLM._run
+    monkeypatch.setattr(StaticLM, "_run", lambda self, ids, rows: original(self, ids, len(ids)))
+    assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
+
+
+def test_the_dynamic_cache_differs_in_fp32():
+    """Why the static runtime exists: a dynamic 4-row pass does not reproduce 1-row passes."""
+    assert not all(rows_equal(lambda: CachedLM(tiny_llama(0, hidden=64))))
+
+
+def aligned(target_model) -> AlignedHeadDrafter:
+    torch.manual_seed(3)
+    cfg = target_model.config
+    head = AlignedHead(AlignedHeadConfig(hidden_size=cfg.hidden_size, target_vocab_size=cfg.vocab_size,
+                                         hidden_layers=[0, 1], num_target_layers=cfg.num_hidden_layers,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         intermediate_size=64)).to(target_model.dtype)
+    return AlignedHeadDrafter(head, target_model)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
+    target = target_from_model(tiny_llama(0, dtype=DTYPES[dtype], hidden=64), tiny_tokenizer(), "t")
+    draft = tiny_llama(1, layers=1, hidden=32, dtype=DTYPES[dtype])
+    plain = SpeculativeGenerator(target, None, "greedy", WIDTH - 1, static_width=WIDTH)
+    drafters = {"prompt-lookup": PromptLookupDrafter(3), "draft-lm": DraftLMDrafter(draft, target.vocab_size),
+                "self-draft": DraftLMDrafter(target.model, target.vocab_size), "aligned_head": aligned(target.model)}
+    prompts = [[5, 17, 33, 17, 33, 40], list(range(10, 40)), [7, 7, 7, 7]]
+    for name, drafter in drafters.items():
+        for verifier in VERIFIERS:
+            generator = SpeculativeGenerator(target, drafter, verifier, 6, static_width=WIDTH)
+            for prompt in prompts:
+                result = generator.generate(prompt, 24)
+                assert result.token_ids == plain.generate(prompt, 24).token_ids, (name, verifier, prompt)
+                assert max(len(row) for row in [result.stats.drafted_per_position]) <= WIDTH - 1
+
+
+def test_trees_are_refused_with_a_reason(target):
+    generator = SpeculativeGenerator(target, RecyclingDrafter(target.vocab_size, num_nodes=6), static_width=WIDTH)
+    with pytest.raises(ValueError, match="Tree drafts are not batch-invariant"):
+        generator.generate(list(range(10, 30)), 8)
+
+
+def test_cache_length_is_shared_by_plain_and_speculative_runs():
+    assert static_cache_length(100, 128, 4) == static_cache_length(100, 128, 4) == 256
+    assert static_cache_length(200, 128, 4) == 512
+    with pytest.raises(ValueError, match="1 to 4 tokens"):
+        StaticLM(tiny_llama(0), 4, 256).forward([1, 2, 3, 4, 5])
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_prompt_lookup_is_bitwise_plain_decoding_only_on_the_static_runtime():
+    """The real target in bf16, a HumanEval prompt, 48 tokens: on the static runtime prompt lookup emits
+    exactly plain decoding's tokens; on the dynamic cache the multi-row passes round differently and
+    the output drifts (the must-fail control, measured 2026-11-25 on both of the first two prompts)."""
+    from specops.core.target import encode_prompt, load_target
+    from specops.data.datasets import bench_prompts
+
+    target = load_target("smollm2", "bfloat16")
+    ids = encode_prompt(target.tokenizer, bench_prompts("humaneval", 1)[0])
+
+    def tokens(drafter, width: int) -> list[int]:
+        return SpeculativeGenerator(target, drafter, "greedy", 3, static_width=width).generate(ids, 48).token_ids
+
+    assert tokens(PromptLookupDrafter(3), WIDTH) == tokens(None, WIDTH)
+    assert tokens(PromptLookupDrafter(3), 0) != tokens(None, 0)
