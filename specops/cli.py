@@ -147,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=DecodingConfig.drafter, help="'none' is plain autoregressive decoding through the same loop; "
                      "'hybrid' merges the prompt-lookup continuation into the Token Recycling tree")
     gen.add_argument("--draft-model", help="HF folder of a draft LM sharing the target's vocabulary (draft-lm)")
-    gen.add_argument("--verifier", choices=["auto", "greedy", "rejection", "block"], default="auto",
-                     help="auto: greedy at temperature 0, token-wise rejection sampling otherwise")
+    gen.add_argument("--verifier", choices=["auto", "greedy", "rejection", "block", "coupled"], default="auto",
+                     help="auto: greedy at temperature 0, token-wise rejection sampling otherwise; coupled draws "
+                          "every position with noise keyed by (seed, position), so a sampled reply is exactly plain "
+                          "decoding's with the same seed (bitwise with --static-width)")
     gen.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="chain draft length / tree depth limit")
     gen.add_argument("--recycling-nodes", type=int, default=DecodingConfig.recycling_nodes, help="Token Recycling tree size")
     _add_aligned_args(gen)

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from specops.core.kv import tree_depths
+from specops.core.sampling import Randomness
 from specops.core.types import SamplingParams
 
 # A per-token stop rule (SpecDec++): called after each drafted token with the acceptance head's
@@ -68,7 +69,7 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget per-sequence state before a new request (learned statistics may persist)."""
 
-    def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: torch.Generator | None,
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:
         """Up to k tokens (or a tree of at most k nodes) continuing `context` (all committed tokens).
         With `stop` (only when predicts_acceptance), the draft also ends after the first token for which

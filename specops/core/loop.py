@@ -10,7 +10,7 @@ import torch
 from specops.core.drafter import EMPTY, Draft, Drafter
 from specops.core.kv import CachedLM, StaticLM, static_cache_length
 from specops.core.policies import DraftLengthPolicy, FixedPolicy
-from specops.core.sampling import logits_to_probs
+from specops.core.sampling import PositionNoise, logits_to_probs
 from specops.core.target import Target
 from specops.core.types import DEFAULT_DRAFT_TOKENS, Generation, GenerationStats, SamplingParams
 from specops.core.verify import VERIFIERS, verify_tree
@@ -90,14 +90,17 @@ class SpeculativeGenerator:
         if self.verifier == "greedy" and not sampling.greedy:
             raise GenerationRequestError("The greedy verifier needs temperature 0; use 'rejection' or 'block' to sample.")
         generation = Generation(token_ids=[], stats=GenerationStats(), finish_reason="length")
-        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        generator: torch.Generator | PositionNoise = torch.Generator().manual_seed(seed if seed is not None else 0)
+        if self.verifier == "coupled":  # every position drawn with noise keyed by (seed, position)
+            generator = PositionNoise(seed if seed is not None else 0, self.target.vocab_size)
         return GenerationStream(self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation),
                                 generation)
 
     def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
-               generator: torch.Generator, out: Generation) -> Iterator[list[int]]:
+               generator: torch.Generator | PositionNoise, out: Generation) -> Iterator[list[int]]:
         stats = out.stats
         start = time.perf_counter()
+        coupled = isinstance(generator, PositionNoise)
         with torch.inference_mode():
             # Feature-reading drafters (aligned heads) name the target layers to capture; others add no cost.
             hidden_layers = self.drafter.hidden_layers if self.drafter is not None else None
@@ -119,12 +122,15 @@ class SpeculativeGenerator:
                 if self.static_width:
                     k = min(k, self.static_width - 1)  # a pass verifies at most width - 1 drafts
                 tick = time.perf_counter()
+                if isinstance(generator, PositionNoise):
+                    generator = generator.shifted(len(context))  # row 0: the next position to fill
                 draft = self._propose(context, k, sampling, generator)
-                if self.policy.trim is not None and draft.accept_probs and sampling.greedy:
-                    # Greedy only: a trim looks at each token's predicted acceptance, which depends on
-                    # the token itself, so when sampling it would choose which X_i get verified from
-                    # X_i's value and bias the output (see specops/core/policies.py). Greedy output is the
-                    # target's argmax chain whatever is verified, so there it only saves time.
+                if self.policy.trim is not None and draft.accept_probs and (sampling.greedy or coupled):
+                    # Greedy and coupled only: a trim looks at each token's predicted acceptance, which
+                    # depends on the token itself, so under rejection or block sampling it would choose
+                    # which X_i get verified from X_i's value and bias the output (specops/core/policies.py).
+                    # Greedy and coupled output is the target's own draw at every position whatever is
+                    # verified, so there it only saves time.
                     draft = draft.prefix(self.policy.trim(draft.accept_probs))
                 tock = time.perf_counter()
                 accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)
@@ -150,14 +156,15 @@ class SpeculativeGenerator:
         out.stats.total_s = time.perf_counter() - start
         return new, stop is not None
 
-    def _propose(self, context: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
+    def _propose(self, context: list[int], k: int, sampling: SamplingParams,
+                 generator: torch.Generator | PositionNoise) -> Draft:
         if self.drafter is None or k <= 0:
             return EMPTY
         # Only drafters with an acceptance head take a stop rule (checked in __init__).
         return self.drafter.propose(context, k, sampling, generator, stop=self.policy.stop)
 
     def _verify(self, lm: CachedLM | StaticLM, last: int, draft: Draft, sampling: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
+                generator: torch.Generator | PositionNoise) -> tuple[list[int], int]:
         """One target pass over [last] + draft; returns the accepted draft tokens and the next token.
 
         Leaves the cache holding everything up to and including the accepted tokens.

@@ -8,9 +8,9 @@ time of the draft, not for one that looks at X_i before deciding whether X_i is 
   * a `stop` rule (SpecDec++) is asked after each drafted token X_i whether to draft X_{i+1}; the
     token it stopped on is still verified, so the decision about X_i never depends on X_i;
   * a `trim` rule, which picks after the draft how many tokens to verify from each token's own
-    predicted acceptance, would select X_i by its value. The loop applies it at temperature 0 only,
-    where the output is the target's argmax chain whatever is verified; when sampling, goodput_head
-    runs as its stop rule alone (tests/core/test_loop_distribution.py shows the trim biases it).
+    predicted acceptance, would select X_i by its value. The loop applies it at temperature 0 and
+    under coupled verification only, where the output is the target's own draw at every position
+    whatever is verified; under rejection or block sampling, goodput_head runs as its stop rule alone (tests/core/test_loop_distribution.py shows the trim biases it).
 The loop asks `draft_length()` before each step and reports `update(drafted, accepted)` after
 verifying it; `reset()` starts a new request.
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 class DraftLengthPolicy(Protocol):
     name: str
     stop: TokenStop | None  # a per-token stop rule for drafters with an acceptance head, or None
-    trim: TokenTrim | None  # greedy only: how many drafted tokens to verify, from their P(accept); None verifies all
+    trim: TokenTrim | None  # greedy and coupled only: how many drafted tokens to verify, from their P(accept); None verifies all
 
     def reset(self) -> None:
         """A new request starts."""

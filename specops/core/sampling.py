@@ -41,3 +41,52 @@ def expand_draft_vocab(logits: torch.Tensor, draft_to_target: torch.Tensor, voca
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a distribution [V]."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class PositionNoise:
+    """The randomness of coupled sampling: Gumbel noise g_t [V] keyed by (seed, sequence position t).
+
+    Coupled sampling draws the token at position t as argmax(log p_t + g_t), an exact draw from p_t
+    (the Gumbel-max trick). Because g_t depends on nothing but the seed and t, plain decoding and every
+    speculative run, whatever they drafted and however many steps they took, draw position t with the
+    same noise: given bitwise-equal target logits (the static runtime), they emit bitwise the same
+    tokens. A drafter that samples with the same noise proposes the target's own draw whenever its
+    distribution is close, which is what makes coupled drafts accepted.
+
+    `start` is the position of the first token this object is asked about (row 0 of `rows`).
+    """
+
+    def __init__(self, seed: int, vocab: int, start: int = 0, cache: dict[int, torch.Tensor] | None = None) -> None:
+        self.seed, self.vocab, self.start = seed, vocab, start
+        self._cache = cache if cache is not None else {}
+
+    def at(self, position: int) -> torch.Tensor:
+        """g_position [V], float64, from a generator seeded by (seed, position) alone."""
+        if position not in self._cache:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (1 << 63))
+            uniform = torch.rand(self.vocab, generator=g, dtype=torch.float64).clamp_min(1e-300)
+            self._cache[position] = -torch.log(-torch.log(uniform))
+        return self._cache[position]
+
+    def shifted(self, start: int) -> PositionNoise:
+        """The same noise, with row 0 at `start` (sharing the cache of already drawn positions)."""
+        return PositionNoise(self.seed, self.vocab, start, self._cache)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """[n, V]: the noise of positions start .. start + n - 1."""
+        return torch.stack([self.at(self.start + i) for i in range(n)])
+
+
+def coupled_sample(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """argmax(log p + g): a draw from probs [V] (zero-probability tokens have log p = -inf and never win)."""
+    return int((probs.to(torch.float64).log() + noise).argmax())
+
+
+Randomness = torch.Generator | PositionNoise | None  # a draw stream, or coupled sampling's position-keyed noise
+
+
+def draw(probs: torch.Tensor, randomness: Randomness, offset: int = 0) -> int:
+    """One token from probs [V]: coupled (the noise at start + offset) or from the generator's stream."""
+    if isinstance(randomness, PositionNoise):
+        return coupled_sample(probs, randomness.at(randomness.start + offset))
+    return sample(probs, randomness)

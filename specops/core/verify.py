@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from specops.core.sampling import sample
+from specops.core.sampling import PositionNoise, Randomness, draw, sample
 
-ChainRule = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator | None], tuple[int, int]]
+ChainRule = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, Randomness], tuple[int, int]]
 
 
 def _draft_probs(draft: torch.Tensor, q: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -104,15 +104,30 @@ def block_continue_probs(w: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> t
     return h
 
 
+def verify_coupled(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+                   generator: Randomness = None) -> tuple[int, int]:
+    """Coupled verification: the target draws each position t as argmax(log p_t + g_t) with the noise
+    keyed by t (specops.core.sampling.PositionNoise, row 0 = the first drafted position), and drafts
+    are accepted while they equal those draws. The emitted tokens are exactly plain coupled decoding's,
+    whatever was drafted, so q is not needed; each is an exact draw from p (Gumbel-max)."""
+    if not isinstance(generator, PositionNoise):
+        raise TypeError("Coupled verification draws with PositionNoise, not a generator stream.")
+    k = draft.shape[0]
+    target = (p.to(torch.float64).log() + generator.rows(k + 1)).argmax(-1)  # [k+1]: the target's draws
+    n = int((draft == target[:-1]).long().cumprod(0).sum())
+    return n, int(target[n])
+
+
 VERIFIERS: dict[str, ChainRule] = {
     "greedy": verify_greedy,
     "rejection": verify_rejection,
     "block": verify_block,
+    "coupled": verify_coupled,
 }
 
 
 def verify_tree(tokens: torch.Tensor, parents: list[int], p: torch.Tensor, greedy: bool,
-                generator: torch.Generator | None = None) -> tuple[list[int], int]:
+                generator: Randomness = None) -> tuple[list[int], int]:
     """Walk a tree of deterministic drafts (one-hot q per candidate).
 
     tokens [n], parents[i] in -1..i-1 (-1 = the last committed token), p [n+1, V] with row 0 for the
@@ -128,7 +143,7 @@ def verify_tree(tokens: torch.Tensor, parents: list[int], p: torch.Tensor, greed
     current = -1
     while True:
         row = p[current + 1]
-        y = int(row.argmax()) if greedy else sample(row, generator)
+        y = int(row.argmax()) if greedy else draw(row, generator, len(path))  # coupled: the noise at this depth
         child = children.get(current, {}).get(y)
         if child is None:
             return path, y

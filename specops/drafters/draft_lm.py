@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop
 from specops.core.kv import CachedLM
-from specops.core.sampling import expand_draft_vocab, logits_to_probs, sample
+from specops.core.sampling import Randomness, draw, expand_draft_vocab, logits_to_probs
 from specops.core.small_batch_linear import use_small_batch_linear
 from specops.core.types import SamplingParams
 from specops.drafters.acceptance_head import AcceptanceHead
@@ -139,7 +139,7 @@ class DraftLMDrafter(DrafterBase):
         return self.lm_head(hidden), hidden
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+                generator: Randomness, stop: TokenStop | None = None) -> Draft:
         """Up to k tokens; with `stop`, the draft also ends after the first token for which
         stop(acceptance probabilities so far) is True."""
         if stop is not None and self.head is None:
@@ -158,7 +158,7 @@ class DraftLMDrafter(DrafterBase):
             else:
                 probs = logits_to_probs(logits, sampling)
                 rows.append(probs)
-                token = sample(probs, generator)
+                token = draw(probs, generator, len(tokens))  # coupled: the noise of this drafted position
             tokens.append(token)
             if stop is not None:
                 accept_probs.append(self.head.accept_prob(hidden, logits, token))

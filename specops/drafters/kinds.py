@@ -58,7 +58,7 @@ class DecodingConfig:
     """How a generator decodes; serving.yaml in a bundle and the CLI flags both fill this."""
 
     drafter: str = "recycling"  # one of DRAFTERS
-    verifier: str = "auto"  # greedy | rejection | block | auto (greedy at temperature 0, rejection otherwise)
+    verifier: str = "auto"  # greedy | rejection | block | coupled | auto (greedy at temperature 0, rejection otherwise)
     draft_tokens: int = DEFAULT_DRAFT_TOKENS  # chain drafters: tokens per step; tree drafters: maximum accepted depth
     prompt_lookup_max_ngram: int = 3
     recycling_nodes: int = 12  # size of the Token Recycling tree (tuned for a 2-core CPU by sweep)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specops.core.drafter import EMPTY, Draft, DrafterBase, TokenStop, refuse_stop
+from specops.core.sampling import Randomness
 from specops.core.types import SamplingParams
 
 
@@ -18,7 +19,7 @@ class PromptLookupDrafter(DrafterBase):
         self.min_ngram = min_ngram
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+                generator: Randomness, stop: TokenStop | None = None) -> Draft:
         refuse_stop(self, stop)
         ids = torch.tensor(context)
         length = ids.shape[0]

@@ -17,6 +17,7 @@ import torch
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
 from specops.core.kv import tree_depths
+from specops.core.sampling import Randomness
 from specops.core.types import SamplingParams
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -89,7 +90,7 @@ class RecyclingDrafter(DrafterBase):
         self.adjacency[torch.tensor(tokens)] = logits.topk(self.top_k, dim=-1).indices
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+                generator: Randomness, stop: TokenStop | None = None) -> Draft:
         refuse_stop(self, stop)
         if k <= 0:
             return Draft(tokens=[])

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
 from specops.core.kv import CachedLM
 from specops.core.loop import GREEDY, GenerationRequestError, GenerationStream, SpeculativeGenerator
+from specops.core.sampling import Randomness
 from specops.core.target import Target
 from specops.core.types import DEFAULT_DRAFT_TOKENS, Generation, SamplingParams
 from specops.lossy.greedy_lm import GreedyLM
@@ -61,7 +62,7 @@ class JudgeDrafter(DrafterBase):
         self.runner.reset()
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+                generator: Randomness, stop: TokenStop | None = None) -> Draft:
         refuse_stop(self, stop)
         run = self.runner.greedy(context, k)
         self.hidden = run.hidden

@@ -11,6 +11,7 @@ import torch
 from specops.core.kv import CachedLM, StaticLM, static_cache_length
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import target_from_model
+from specops.core.types import SamplingParams
 from specops.core.verify import VERIFIERS
 from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
 from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
@@ -135,3 +136,7 @@ def test_smollm2_bf16_prompt_lookup_is_bitwise_plain_decoding_only_on_the_static
 
     assert tokens(PromptLookupDrafter(3), WIDTH) == tokens(None, WIDTH)
     assert tokens(PromptLookupDrafter(3), 0) != tokens(None, 0)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)  # coupled sampling: the same draws, bitwise
+    spec = SpeculativeGenerator(target, PromptLookupDrafter(3), "coupled", 3, static_width=WIDTH)
+    plain = SpeculativeGenerator(target, None, "coupled", 3, static_width=WIDTH)
+    assert spec.generate(ids, 48, sampling, seed=7).token_ids == plain.generate(ids, 48, sampling, seed=7).token_ids

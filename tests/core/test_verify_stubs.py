@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.core.sampling import logits_to_probs
+from specops.core.sampling import PositionNoise, logits_to_probs
 from specops.core.types import SamplingParams
 from specops.core.verify import VERIFIERS, verify_tree
 
@@ -28,7 +28,7 @@ def one_hot_rows(tokens: list[int]) -> torch.Tensor:
 )
 def test_rules_on_deterministic_stubs(name, draft, target_argmax, expected):
     p = one_hot_rows(target_argmax)
-    generator = torch.Generator().manual_seed(0)
+    generator = PositionNoise(0, V) if name == "coupled" else torch.Generator().manual_seed(0)
     assert VERIFIERS[name](torch.tensor(draft, dtype=torch.long), None, p, generator) == expected
 
 

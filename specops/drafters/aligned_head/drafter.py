@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specops.core.drafter import EMPTY, Draft, DrafterBase, TokenStop, refuse_stop
-from specops.core.sampling import logits_to_probs, sample
+from specops.core.sampling import Randomness, draw, logits_to_probs
 from specops.core.types import SamplingParams
 from specops.drafters.aligned_head.model import AlignedHead, HeadCache, load_head
 from specops.drafters.dynamic_tree import Children, TreeNode, grow_tree, top_children
@@ -86,7 +86,7 @@ class AlignedHeadDrafter(DrafterBase):
         return self.head.step(inputs, self._embed(tokens), positions, visible, self.cache)
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator | None, stop: TokenStop | None = None) -> Draft:
+                generator: Randomness, stop: TokenStop | None = None) -> Draft:
         refuse_stop(self, stop)
         self._catch_up(context)
         if k <= 0 or self.last is None:
@@ -103,7 +103,7 @@ class AlignedHeadDrafter(DrafterBase):
     def _logits(self, token_branch: torch.Tensor) -> torch.Tensor:
         return self.head.logits(token_branch, self.target_lm_head)
 
-    def _chain(self, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def _chain(self, k: int, sampling: SamplingParams, generator: Randomness) -> Draft:
         token_branch, feature = self.last
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -114,7 +114,7 @@ class AlignedHeadDrafter(DrafterBase):
             else:
                 probs = logits_to_probs(self.head.to_target_logits(logits).float(), sampling)  # [V]
                 rows.append(probs)
-                token = sample(probs, generator)
+                token = draw(probs, generator, depth - 1)  # coupled: the noise of this drafted position
             tokens.append(token)
             if depth < k:
                 visible = torch.ones(1, self.cache.length + 1, dtype=torch.bool)
