@@ -47,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             tree_nodes=args.tree_nodes, tree_top_k=args.tree_top_k, static_width=args.static_width)
     if args.stop_threshold is not None:
         config.stop_threshold = args.stop_threshold
-    weights = {"draft_lm": args.draft_model, "aligned_head": args.aligned_head}.get(DRAFTERS[args.drafter].weights or "")
+    weights = DRAFTERS[args.drafter].weights_from(args.draft_model, args.aligned_head)
     drafter = build_drafter(args.drafter, target, config, weights, args.acceptance_head)
     result = TextGenerator(target, drafter, config).generate_text(
         args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, raw=args.raw)

@@ -11,6 +11,7 @@ into a typed object; `MethodSpec.decoding()` turns it into the `DecodingConfig` 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from specops.core.policies import POLICIES
@@ -28,9 +29,9 @@ class DrafterKind:
     acceptance_head: bool = False  # may take a SpecDec++ acceptance head (specdecpp, goodput_head)
     size: Literal["draft_tokens", "tree_nodes", "recycling_nodes"] = "draft_tokens"  # what "@N" sets
 
-    @property
-    def trained(self) -> bool:
-        return self.weights is not None
+    def weights_from(self, draft_lm: str | Path | None, aligned_head: str | Path | None) -> str | Path | None:
+        """The folder this kind loads, out of a draft-LM folder and an aligned-head folder (None: needs none)."""
+        return {"draft_lm": draft_lm, "aligned_head": aligned_head, None: None}[self.weights]
 
 
 DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (

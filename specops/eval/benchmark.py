@@ -88,7 +88,7 @@ def build_methods(target: Target, cfg: BenchConfig,
         if cfg.stop_threshold is not None:
             config.stop_threshold = cfg.stop_threshold
         head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
-        weights = {"draft_lm": cfg.draft_model, "aligned_head": cfg.aligned_head}.get(method.drafter.weights or "")
+        weights = method.drafter.weights_from(cfg.draft_model, cfg.aligned_head)
         drafter = build_drafter(method.kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)
         generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width)

@@ -222,7 +222,7 @@ def register(params: Params, inputs: Inputs) -> None:
     decoding = method.decoding(DecodingConfig(draft_tokens=evaluation.draft_tokens))  # verifier auto: greedy or sampled
     serving = {k: v for k, v in asdict(decoding).items() if k != "drafter"}
     models = trained_models(inputs)
-    weights = {"draft_lm": models.draft_model, "aligned_head": models.aligned_head}.get(method.drafter.weights or "")
+    weights = method.drafter.weights_from(models.draft_model, models.aligned_head)
     extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,

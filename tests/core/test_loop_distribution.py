@@ -205,13 +205,19 @@ def test_tree_drafters_draw_what_plain_sampling_draws(drafter):
     """The tree walk draws y ~ p once per emitted token, as plain sampling does, and descends where y
     was drafted: with the same seed every tree drafter emits exactly plain sampling's tokens."""
     tree = SpeculativeGenerator(table_target(TARGET), TREE_DRAFTERS[drafter](), "rejection", K)
-    plain = SpeculativeGenerator(table_target(TARGET), None, "rejection", K)
+    assert accepted_while_matching_plain(tree) > 0  # the trees did shorten decoding: the walk descended into them
+
+
+def accepted_while_matching_plain(spec: SpeculativeGenerator, seeds: int = 150) -> int:
+    """Assert that `spec` emits plain decoding's tokens (same verifier, no drafter) for every seed; return
+    how many drafted tokens it accepted on the way."""
+    plain = SpeculativeGenerator(table_target(TARGET), None, spec.verifier, K)
     accepted = 0
-    for seed in range(150):
-        out = tree.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed)
+    for seed in range(seeds):
+        out = spec.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed)
         assert out.token_ids == plain.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed).token_ids, seed
         accepted += out.stats.accepted
-    assert accepted > 0  # the trees did shorten decoding, so the walk descended into them
+    return accepted
 
 
 TRUNCATIONS = {"top_k=2": SamplingParams(temperature=1.0, top_k=2), "top_p=0.8": SamplingParams(temperature=1.5, top_p=0.8)}
@@ -291,13 +297,7 @@ def test_coupled_runs_draw_what_plain_coupled_sampling_draws(drafter):
     (goodput_head's trim included, which is exact here)."""
     policy = HeadGoodputPolicy(K, COST) if drafter.endswith("goodput_head") else None
     spec = SpeculativeGenerator(table_target(TARGET), COUPLED_DRAFTERS[drafter](), "coupled", K, policy=policy)
-    plain = SpeculativeGenerator(table_target(TARGET), None, "coupled", K)
-    accepted = 0
-    for seed in range(150):
-        out = spec.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed)
-        assert out.token_ids == plain.generate(PROMPT, MAX_NEW, TEMPERATURE, seed=seed).token_ids, seed
-        accepted += out.stats.accepted
-    assert accepted > 0
+    assert accepted_while_matching_plain(spec) > 0
 
 
 def test_coupled_noise_at_the_wrong_position_is_caught(monkeypatch):
