@@ -175,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "or a JSONL file with {'prompt'} or {'messages'} rows")
     bench.add_argument("--n", type=int, default=20, help="number of prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--drafters", nargs="+", default=["none", "prompt-lookup", "recycling"],
-                       help="our methods: " + ", ".join(DRAFTERS) + ", each optionally with @SIZE (tree nodes for recycling, "
+    bench.add_argument("--drafters", nargs="+", default=["prompt-lookup", "recycling"],
+                       help="our methods (our plain decoding, 'plain', always runs as the exactness reference): " + ", ".join(DRAFTERS) + ", each optionally with @SIZE (tree nodes for recycling, "
                             "hybrid and the *tree drafters, whose depth is --draft-tokens; chain draft tokens "
                             "otherwise), e.g. recycling@16 draft-lm@4 draft-lm-tree@8; "
                             "prompt-lookup and draft-lm also take +POLICY (" + ", ".join(POLICIES) + "), e.g. "

@@ -69,7 +69,11 @@ class PositionNoise:
         return self._cache[position]
 
     def shifted(self, start: int) -> PositionNoise:
-        """The same noise, with row 0 at `start` (sharing the cache of already drawn positions)."""
+        """The same noise, with row 0 at `start`, sharing the cache of drawn positions. Positions before
+        `start` are committed and never asked for again, so they leave the cache: a long generation
+        keeps a few [V] rows, not one per token."""
+        for position in [p for p in self._cache if p < start]:
+            del self._cache[position]
         return PositionNoise(self.seed, self.vocab, start, self._cache)
 
     def rows(self, n: int) -> torch.Tensor:

@@ -40,7 +40,8 @@ class BenchConfig:
     # Our methods: a drafter kind, optionally "+policy" (a draft length policy of specops/core/policies.py, for
     # chain drafters) and "@size" (Token Recycling tree nodes, or chain draft tokens: the policy's k or bound);
     # several sizes or policies of one kind make a sweep in the same run.
-    drafters: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling"])
+    # Our plain decoding (the `plain` method) always runs, so "none" here would only run it twice.
+    drafters: list[str] = field(default_factory=lambda: ["prompt-lookup", "recycling"])
     draft_tokens: int = DEFAULT_DRAFT_TOKENS  # chain draft length when a method gives no @size; the depth limit of tree methods
     draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
     aligned_head: str | None = None  # aligned head folder (models/aligned_head): needed by aligned_head[_tree]

@@ -33,7 +33,7 @@ class EvaluateConfig:
     """How many prompts of the split to run (the first ones, in the split file's id order)."""
     max_new_tokens: int = 96
     """Tokens generated per prompt and method."""
-    methods: list[str] = field(default_factory=lambda: ["none", "prompt-lookup", "recycling@8", "draft-lm@4"])
+    methods: list[str] = field(default_factory=lambda: ["prompt-lookup", "recycling@8", "draft-lm@4"])
     """Our methods, drafter[@size]; sizes of one kind make a sweep (the bundle takes the best)."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """Draft length of chain methods without an @SIZE, and the depth limit of tree methods (whose @SIZE

@@ -67,3 +67,13 @@ def test_sampling_transform_matches_plain_reference():
     expected[kept] = torch.softmax(torch.tensor([scaled[i] for i in kept], dtype=torch.float64), 0)
     torch.testing.assert_close(logits_to_probs(logits, params)[0], expected)
     assert logits_to_probs(logits, SamplingParams()).tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_position_noise_is_keyed_by_position_and_forgets_committed_ones():
+    noise = PositionNoise(1, V)
+    fifth = noise.at(5).clone()
+    later = noise.shifted(3)
+    later.rows(3)  # positions 3, 4, 5
+    assert torch.equal(later.shifted(5).at(5), fifth)  # the same draw however it is reached
+    assert sorted(later.shifted(5)._cache) == [5]  # committed positions left the cache
+    assert torch.equal(PositionNoise(1, V).at(4), later.rows(2)[1]) and not torch.equal(fifth, noise.at(4))
