@@ -7,6 +7,7 @@ prefix is never recomputed.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 
@@ -140,65 +141,61 @@ class StaticLM:
 
     Batch invariance (docs/architecture.md): a row's logits must not depend on how many other rows
     share its pass or where it sits in it, or speculative output would round differently from plain
-    decoding (bf16 above all). Stock kernels are invariant when the shapes are held fixed, so every
-    pass has `width` rows (real tokens first, padding after) over a key axis of `max_length` slots:
-    plain decoding is one real row, verifying k drafts k + 1 rows, and token t always sits at cache
-    slot t, seen by rows at positions >= t. Each pass writes from its first position on, so keys of
-    rejected drafts and padding rows are overwritten before any row can see them.
+    decoding (bf16 above all). Kernels are invariant when the shapes are held fixed, so every pass has
+    `width` rows (real tokens first, padding after) over a key axis of `max_length` slots: plain
+    decoding is one real row, verifying k drafts k + 1 rows, and token t always sits at cache slot t,
+    seen by rows at positions >= t. Each pass writes from its first position on, so keys of rejected
+    drafts and padding rows are overwritten before any row can see them.
 
-    Trees are refused: a tree's rows attend to their ancestors at scattered slots, so they would not
-    reduce in the order plain decoding does.
+    The passes run specops.core.llama's lean forward; `compiled` runs the fixed-width passes through
+    torch.compile (the prompt's prefill, of its own length, stays eager: plain and speculative decoding
+    share it). Trees are refused: a tree's rows attend to their ancestors at scattered slots, so they
+    would not reduce in the order plain decoding does.
     """
 
     def __init__(self, model: PreTrainedModel, width: int, max_length: int,
-                 hidden_layers: list[int] | None = None) -> None:
-        from transformers import StaticCache
+                 hidden_layers: list[int] | None = None, compiled: bool = False) -> None:
+        from specops.core.llama import llama_forward
 
         if width < 1:
             raise ValueError(f"The static runtime needs a pass width >= 1, got {width}.")
-        self.model = model
         self.width = width
         self.max_length = max_length
-        self.cache = StaticCache(config=model.config, max_cache_len=max_length)
-        self.hidden_layers = hidden_layers
+        self.eager, self.step = llama_forward(model, hidden_layers, compiled)
+        self.compiled = compiled
+        self.keys, self.values = self.eager.new_cache(max_length)
+        self.tables = self.eager.tables(max_length)
         self.features: torch.Tensor | None = None
         self.length = 0  # committed tokens in the cache; slots past it are stale
 
-    def _run(self, token_ids: list[int], rows: int) -> torch.Tensor:
+    def _run(self, token_ids: list[int], rows: int, forward: nn.Module) -> torch.Tensor:
         """One pass writing `token_ids` at slots length.. (padded to `rows` rows); logits [rows, V]."""
         start = self.length
         if start + rows > self.max_length:
             raise ValueError(f"The static cache holds {self.max_length} tokens; a pass at {start} of {rows} "
                              "rows does not fit (size it with static_cache_length).")
-        ids = torch.tensor([token_ids + [0] * (rows - len(token_ids))])
-        positions = torch.arange(start, start + rows)
-        self._rewind(start)
-        visible = torch.arange(self.max_length)[None, :] <= positions[:, None]  # [rows, max_length]
-        wanted = self.hidden_layers is not None
-        out = self.model(ids, past_key_values=self.cache, cache_position=positions, position_ids=positions[None],
-                         attention_mask=visible[None, None], use_cache=True, output_hidden_states=wanted)
-        if wanted:
-            self.features = torch.stack([out.hidden_states[i + 1][0] for i in self.hidden_layers], dim=1)
+        ids = torch.tensor(token_ids + [0] * (rows - len(token_ids)))
+        if forward is not self.eager:
+            # One compiled graph serves every cache length: a new length must not recompile.
+            for t in (*self.keys, *self.values):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for t in self.tables:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(self.tables[2], 1)
+        logits, self.features = forward(ids, torch.arange(start, start + rows), self.keys, self.values, *self.tables)
         self.length = start + len(token_ids)
-        return out.logits[0]
-
-    def _rewind(self, start: int) -> None:
-        """transformers' StaticLayer writes at its own running count, not at cache_position: rewind it to
-        this pass's first slot, or padding and rejected keys would stay and shift every later key."""
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.fill_(start)
+        return logits
 
     def prefill(self, token_ids: list[int]) -> None:
         """The prompt in one pass of its own length: plain and speculative decoding share it exactly."""
         if token_ids:
-            self._run(token_ids, len(token_ids))
+            self._run(token_ids, len(token_ids), self.eager)
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         """Append up to `width` tokens in one `width`-row pass; logits [n, V] for each of them."""
         if not 0 < len(token_ids) <= self.width:
             raise ValueError(f"A static pass takes 1 to {self.width} tokens, got {len(token_ids)}.")
-        logits = self._run(token_ids, self.width)[: len(token_ids)]
+        logits = self._run(token_ids, self.width, self.step)[: len(token_ids)]
         if self.features is not None:
             self.features = self.features[: len(token_ids)]
         return logits

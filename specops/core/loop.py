@@ -40,20 +40,23 @@ class GenerationStream:
 class SpeculativeGenerator:
     def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None,
-                 static_width: int = 0) -> None:
+                 static_width: int = 0, compiled: bool = False) -> None:
         """`policy` decides the draft length of each step (specops/core/policies.py); without one, every
         step drafts `draft_tokens`.
 
         `static_width` > 0 runs the target on the static runtime (specops.core.kv.StaticLM): every pass
         after the prefill is that many rows wide, so each row's logits are bitwise those of plain
         decoding through the same runtime, in bf16 as in fp32. Drafts are then at most static_width - 1
-        tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding)."""
+        tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding).
+        `compiled` runs the static runtime's passes through torch.compile (specops.core.llama)."""
         if verifier not in VERIFIERS:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
             raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
         if static_width < 0:
             raise ValueError(f"static_width must be >= 0 (0: the dynamic runtime), got {static_width}")
+        if compiled and not static_width:
+            raise ValueError("compiled runs the static runtime: give a static_width > 0")
         policy = policy if policy is not None else FixedPolicy(draft_tokens)
         if policy.stop is not None and (drafter is None or not drafter.predicts_acceptance):
             raise ValueError(f"The '{policy.name}' policy stops drafts on an acceptance head's predictions: it needs "
@@ -65,6 +68,7 @@ class SpeculativeGenerator:
         self.policy = policy
         self.eos = target.eos_token_ids
         self.static_width = static_width
+        self.compiled = compiled
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -107,7 +111,7 @@ class SpeculativeGenerator:
             lm: CachedLM | StaticLM
             if self.static_width:
                 length = static_cache_length(len(context), max_new_tokens, self.static_width)
-                lm = StaticLM(self.target.model, self.static_width, length, hidden_layers)
+                lm = StaticLM(self.target.model, self.static_width, length, hidden_layers, self.compiled)
             else:
                 lm = CachedLM(self.target.model, hidden_layers)
             lm.prefill(context[:-1])

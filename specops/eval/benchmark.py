@@ -49,6 +49,7 @@ class BenchConfig:
     stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
     static_width: int = 0  # our methods on the static runtime with passes this wide (DecodingConfig.static_width)
+    compiled: bool = False  # the static runtime's passes through torch.compile (DecodingConfig.compiled)
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
 
 
@@ -76,7 +77,8 @@ def build_methods(target: Target, cfg: BenchConfig,
     m = cfg.max_new_tokens
     methods: dict[str, Method] = {BASELINE: _hf_method(target, m),
                                   PLAIN: _our_method(SpeculativeGenerator(target, None, "greedy", 0,
-                                                                          static_width=cfg.static_width), m)}
+                                                                          static_width=cfg.static_width,
+                                                                          compiled=cfg.compiled), m)}
     if cfg.hf_prompt_lookup_tokens:
         methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
     if cfg.draft_model and cfg.hf_assisted:
@@ -85,14 +87,15 @@ def build_methods(target: Target, cfg: BenchConfig,
         method = MethodSpec.parse(spec)
         # replace() re-checks the config: trees are refused on the static runtime here, before any model loads.
         config = method.decoding(DecodingConfig(drafter="none", verifier="greedy", draft_tokens=cfg.draft_tokens,
-                                                static_width=cfg.static_width))
+                                                static_width=cfg.static_width, compiled=cfg.compiled))
         if cfg.stop_threshold is not None:
             config.stop_threshold = cfg.stop_threshold
         head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
         weights = method.drafter.weights_from(cfg.draft_model, cfg.aligned_head)
         drafter = build_drafter(method.kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)
-        generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width)
+        generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width,
+                                         config.compiled)
         methods[spec] = _our_method(generator, m)
     for name, generator in (extra or {}).items():
         methods[name] = _our_method(generator, m)

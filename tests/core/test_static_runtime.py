@@ -1,7 +1,8 @@
 """The static runtime is batch-invariant: a token's logits are bitwise the same whether it is decoded
 alone (plain decoding) or verified among drafts, in fp32 and bf16, so speculative output is bitwise
-plain decoding's through the same runtime. Mutants that must fail: no cache rewind, a pass width that
-follows the token count, and the dynamic cache (fp32)."""
+plain decoding's through the same runtime, eager and compiled. Mutants that must fail: rows that see
+stale slots past their position, a pass width that follows the token count, compiled and eager passes
+mixed, and the dynamic cache (fp32)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from specops.core.kv import CachedLM, StaticLM, static_cache_length
+from specops.core.llama import LlamaForward, UnsupportedModelError, llama_forward
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import target_from_model
 from specops.core.types import SamplingParams
@@ -63,21 +65,98 @@ def test_a_rejection_rewinds_the_cache():
     assert torch.equal(expected[1], got[0]) and torch.equal(expected[2], got[1])
 
 
-def test_without_the_rewind_rows_differ(monkeypatch):
-    monkeypatch.setattr(StaticLM, "_rewind", lambda self, start: None)
+
+def test_rows_that_see_stale_slots_differ(monkeypatch):
+    """The causal visibility is what hides padding rows and rejected drafts: without it rows differ."""
+    original = LlamaForward.tables
+
+    def see_everything(self, length):
+        cos, sin, visible = original(self, length)
+        return cos, sin, torch.ones_like(visible)
+
+    monkeypatch.setattr(LlamaForward, "tables", see_everything)
     assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
+
+
+def test_the_lean_forward_is_transformers_llama():
+    """Eager, op for op the HF forward: the same logits and the same layer outputs (features)."""
+    model = tiny_llama(0, hidden=64, layers=3)
+    ids = list(range(10, 50))
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids]), output_hidden_states=True)
+        lm = StaticLM(model, WIDTH, 256, hidden_layers=[0, 1])
+        lm.prefill(ids[:-4])
+        logits = lm.forward(ids[-4:])
+    assert torch.allclose(logits, ref.logits[0, -4:], atol=1e-5)
+    assert torch.allclose(lm.features, torch.stack([ref.hidden_states[1][0, -4:], ref.hidden_states[2][0, -4:]], 1),
+                          atol=1e-5)
+
+
+def test_weights_changed_in_place_are_picked_up():
+    model = tiny_llama(0, hidden=64)
+    before = llama_forward(model)[0]
+    assert llama_forward(model)[0] is before  # built once per model
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2)
+    assert llama_forward(model)[0] is not before
+
+
+def test_other_architectures_are_refused_with_a_reason():
+    model = tiny_llama(0)
+    model.config.mlp_bias = True
+    with pytest.raises(UnsupportedModelError, match="static_width 0"):
+        StaticLM(model, WIDTH, 256)
 
 
 def test_a_width_that_follows_the_tokens_differs_in_fp32(monkeypatch):
     """The shape must not change with the number of drafts: one row vs four rows round differently."""
     original = StaticLM._run
-    monkeypatch.setattr(StaticLM, "_run", lambda self, ids, rows: original(self, ids, len(ids)))
+    monkeypatch.setattr(StaticLM, "_run", lambda self, ids, rows, forward: original(self, ids, len(ids), forward))
     assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
 
 
 def test_the_dynamic_cache_differs_in_fp32():
     """Why the static runtime exists: a dynamic 4-row pass does not reproduce 1-row passes."""
     assert not all(rows_equal(lambda: CachedLM(tiny_llama(0, hidden=64))))
+
+
+@pytest.fixture(scope="module")
+def compiled_model():
+    """One tiny bf16 model, compiled once (about 10 s) for the tests below."""
+    return tiny_llama(4, dtype=torch.bfloat16, hidden=64)
+
+
+def test_compiled_rows_are_bitwise_plain_decoding(compiled_model):
+    assert all(rows_equal(lambda: StaticLM(compiled_model, WIDTH, 256, compiled=True)))
+    # A second cache length reuses the compiled graph and stays exact.
+    assert all(rows_equal(lambda: StaticLM(compiled_model, WIDTH, 512, compiled=True)))
+
+
+def test_compiled_and_eager_passes_mixed_differ(compiled_model):
+    """The must-fail control: compiled kernels round differently from eager ones, so a runtime that mixed
+    them between plain decoding and verification would not be exact."""
+    made = iter([True, False])
+    assert not all(rows_equal(lambda: StaticLM(compiled_model, WIDTH, 256, compiled=next(made))))
+
+
+def test_compiled_speculation_is_bitwise_plain_decoding(compiled_model):
+    target = target_from_model(compiled_model, tiny_tokenizer(), "t")
+    draft = tiny_llama(1, layers=1, hidden=32, dtype=torch.bfloat16)
+    plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH, compiled=True)
+    sampling = SamplingParams(temperature=0.9)
+    for drafter in (PromptLookupDrafter(3), DraftLMDrafter(draft, target.vocab_size)):
+        for prompt in ([5, 17, 33, 17, 33, 40], list(range(10, 40))):
+            spec = SpeculativeGenerator(target, drafter, "greedy", 3, static_width=WIDTH, compiled=True)
+            assert spec.generate(prompt, 24).token_ids == plain.generate(prompt, 24).token_ids
+            coupled = SpeculativeGenerator(target, drafter, "coupled", 3, static_width=WIDTH, compiled=True)
+            alone = SpeculativeGenerator(target, None, "coupled", 0, static_width=WIDTH, compiled=True)
+            assert (coupled.generate(prompt, 24, sampling, seed=3).token_ids
+                    == alone.generate(prompt, 24, sampling, seed=3).token_ids)
+
+
+def test_compiled_needs_the_static_runtime(target):
+    with pytest.raises(ValueError, match="static_width > 0"):
+        SpeculativeGenerator(target, None, compiled=True)
 
 
 def aligned(target_model) -> AlignedHeadDrafter:
@@ -140,3 +219,12 @@ def test_smollm2_bf16_prompt_lookup_is_bitwise_plain_decoding_only_on_the_static
     spec = SpeculativeGenerator(target, PromptLookupDrafter(3), "coupled", 3, static_width=WIDTH)
     plain = SpeculativeGenerator(target, None, "coupled", 3, static_width=WIDTH)
     assert spec.generate(ids, 48, sampling, seed=7).token_ids == plain.generate(ids, 48, sampling, seed=7).token_ids
+
+
+def test_the_cli_refuses_compile_without_a_static_width():
+    from specops.cli import UserError, build_parser, cmd_bench
+
+    args = build_parser().parse_args(["bench", "--compile"])
+    with pytest.raises(UserError, match="--static-width"):
+        cmd_bench(args)
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--compile", "--static-width", "4"]).compile

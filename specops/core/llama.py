@@ -1,0 +1,160 @@
+"""A lean Llama forward over a static KV cache: the target's passes without transformers' per-call machinery.
+
+transformers' forward is general (any cache, a mask builder, an output recorder, a kernel hub) and pays
+for it on every pass: on this repo's 2-core CPU, SmolLM2-135M's 4-row bf16 pass took 42 ms through it,
+of which the matrix products streaming the weights were about 25. Here one pass is the products plus a
+few elementwise ops per layer, in the spirit of gpt-fast: q, k and v come from one fused product, gate
+and up from another, the rotary tables are built once per cache, keys and values are written in place.
+
+Compiled (`compiled=True`), inductor freezes the weights, packs them for its own small-batch GEMM
+(max-autotune's CPP template) and fuses the elementwise ops: the same pass took about 18 ms
+(docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
+SDPA with a boolean mask), so eager logits match its forward; compiled ones differ by kernel rounding,
+the same for every pass of the same shape, which is what batch invariance needs (specops.core.kv).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+# max-autotune's CPP GEMM template reads a weight once for all of a pass's rows (F.linear and oneDNN
+# stream it at ~10 GB/s on this CPU; the template at ~25, the machine's bandwidth); freezing lets
+# inductor pack the weights for it once.
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+class UnsupportedModelError(ValueError):
+    """The lean runtime covers Llama-architecture models (SmolLM2, Llama 2/3, TinyLlama)."""
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone(), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op: the statistics in float32, the scale in the model dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LlamaForward(nn.Module):
+    """A Llama model's decoder as one function of (tokens, positions, cache): the weights are copied in
+    fused, the cache is passed in as per-layer tensors (one tensor per layer keeps inductor's in-place
+    writes local: a view of one big cache made it copy the whole cache per layer)."""
+
+    def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        cfg = model.config
+        if cfg.model_type != "llama":
+            raise UnsupportedModelError(f"The static runtime runs Llama-architecture targets; this one is "
+                                        f"'{cfg.model_type}'. Use static_width 0 (the dynamic runtime).")
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+            raise UnsupportedModelError("The static runtime's Llama forward has no attention or MLP biases and "
+                                        "uses SiLU; use static_width 0 for this model.")
+        rotary = model.model.rotary_emb
+        if rotary.rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(f"Rope type '{rotary.rope_type}' changes with the sequence length; the "
+                                        "static runtime supports default, linear and llama3. Use static_width 0.")
+        attn = model.model.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+        self.eps = float(cfg.rms_norm_eps)
+        self.inv_freq = rotary.inv_freq.detach().float().clone()
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.hidden_layers = hidden_layers
+        layers = model.model.layers
+        self.qkv = nn.ParameterList(_frozen(torch.cat([a.self_attn.q_proj.weight, a.self_attn.k_proj.weight,
+                                                       a.self_attn.v_proj.weight])) for a in layers)
+        self.o = nn.ParameterList(_frozen(a.self_attn.o_proj.weight) for a in layers)
+        self.gate_up = nn.ParameterList(_frozen(torch.cat([a.mlp.gate_proj.weight, a.mlp.up_proj.weight]))
+                                        for a in layers)
+        self.down = nn.ParameterList(_frozen(a.mlp.down_proj.weight) for a in layers)
+        self.attn_norm = nn.ParameterList(_frozen(a.input_layernorm.weight) for a in layers)
+        self.mlp_norm = nn.ParameterList(_frozen(a.post_attention_layernorm.weight) for a in layers)
+        self.embed = _frozen(model.model.embed_tokens.weight)
+        self.norm = _frozen(model.model.norm.weight)
+        tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        self.head = self.embed if tied else _frozen(model.lm_head.weight)
+        self.dtype = model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.qkv)
+
+    def new_cache(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (self.kv_heads, length, self.head_dim)
+        return ([torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)],
+                [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)])
+
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos and sin [length, head_dim] for positions 0..length-1 (as transformers computes them per
+        pass), and causal visibility [position, slot]."""
+        freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        slots = torch.arange(length)
+        return ((emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype),
+                slots[None, :] <= slots[:, None])
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens `ids` [n] at positions `pos` [n] (also their cache slots), each seeing the slots up to
+        its own. Writes their keys and values; returns logits [n, V] and, with hidden_layers, those
+        layers' outputs [n, L, H]."""
+        n = ids.shape[0]
+        cos, sin, mask = cos[pos], sin[pos], visible[pos]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        x = F.embedding(ids, self.embed)
+        captured = []
+        for i in range(self.num_layers):
+            h = rms_norm(x, self.attn_norm[i], self.eps)
+            q, k, v = F.linear(h, self.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
+            q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
+            keys[i].index_copy_(1, pos, rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin))
+            values[i].index_copy_(1, pos, v.view(n, self.kv_heads, self.head_dim).transpose(0, 1))
+            att = F.scaled_dot_product_attention(q[None], keys[i][None], values[i][None], attn_mask=mask,
+                                                 enable_gqa=True)
+            x = x + F.linear(att[0].transpose(0, 1).reshape(n, q_size), self.o[i])
+            h = rms_norm(x, self.mlp_norm[i], self.eps)
+            gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, self.down[i])
+            captured.append(x)
+        features = None if self.hidden_layers is None else torch.stack([captured[i] for i in self.hidden_layers], 1)
+        return F.linear(rms_norm(x, self.norm, self.eps), self.head), features
+
+
+_FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()
+
+
+def _weights_version(model: PreTrainedModel) -> tuple[int, ...]:
+    """Changes whenever a parameter is modified in place (training, a reload), so stale copies are rebuilt."""
+    return tuple(p._version for p in model.parameters())
+
+
+def llama_forward(model: PreTrainedModel, hidden_layers: list[int] | None = None,
+                  compiled: bool = False) -> tuple[LlamaForward, nn.Module]:
+    """The lean forward for `model` (eager) and the one its fixed-width passes run (compiled or the same
+    eager module), built once per model and layer set: compiling takes a minute or two, once a process."""
+    version = _weights_version(model)
+    entry = _FORWARDS.get(model)
+    if entry is None or entry["version"] != version:
+        entry = {"version": version}
+        _FORWARDS[model] = entry
+    key = tuple(hidden_layers) if hidden_layers is not None else None
+    if key not in entry:
+        entry[key] = LlamaForward(model, key).eval()
+    eager = entry[key]
+    if not compiled:
+        return eager, eager
+    if ("compiled", key) not in entry:
+        entry[("compiled", key)] = torch.compile(eager, options=INDUCTOR_OPTIONS)
+    return eager, entry[("compiled", key)]
