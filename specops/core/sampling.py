@@ -23,8 +23,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1.0:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         sorted_probs = sorted_scores.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays, even
+        # for a top_p that rounds to 0 in the scores' dtype (1e-300 in float32), which would drop every token.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)

@@ -175,20 +175,31 @@ def target_from_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]], raw: bool = False) -> list[int]:
-    """Token ids for a user message (chat template applied) or, with raw=True, for the text as is."""
+    """Token ids for a user message (chat template applied) or, with raw=True, for the text as is.
+
+    Text is always plain text: a special token spelled out in it ('<|im_end|>') becomes ordinary text tokens,
+    so a message cannot end its turn and forge another (a system turn, say). Only the chat template's own
+    special tokens are special; a caller who needs others sends token ids.
+    """
     if isinstance(prompt, str) and not prompt.strip():
         raise ValueError("The prompt is empty.")
     if raw:
         if not isinstance(prompt, str):
             raise ValueError("raw=True takes a plain string prompt, not chat messages.")
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return _plain_ids(tokenizer, prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not messages:
         raise ValueError("The messages list is empty.")
     if getattr(tokenizer, "chat_template", None) is None:
-        text = "\n".join(m["content"] for m in messages)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return _plain_ids(tokenizer, "\n".join(m["content"] for m in messages))
+    # sanitize_control_tokens encodes the control tokens found in the messages as text; it raises ValueError
+    # for a tokenizer that would produce one from plain text anyway.
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            sanitize_control_tokens=True)
     if hasattr(encoded, "keys"):  # transformers 5 returns a BatchEncoding
         encoded = encoded["input_ids"]
     return [int(t) for t in encoded]
+
+
+def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])

@@ -9,8 +9,8 @@ in `specops.data.traces`.
 Resumable: the prompts of a split are cut into fixed shards; each finished shard is renamed into
 place and then recorded in the split's manifest, so a killed run loses at most the shard in progress
 and a rerun skips every recorded shard whose checksum still matches. A run whose settings, target or
-prompts differ from the manifest's starts the split over. (Under `dvc repro`, mark the traces output
-`persist: true`, or DVC deletes it before the stage runs.)
+prompts differ from the manifest's, or whose manifest is unreadable, starts the split over. (Under
+`dvc repro`, mark the traces output `persist: true`, or DVC deletes it before the stage runs.)
 
 Backends are a plain dict. A backend turns prompts into `SequenceTrace`s and is free to batch them.
 The transformers one regenerates in one of two ways:
@@ -51,7 +51,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from specops.core.loop import SpeculativeGenerator
-from specops.core.target import Target, encode_prompt, sha256_file
+from specops.core.target import Target, encode_prompt
 from specops.core.types import DEFAULT_DRAFT_TOKENS, SamplingParams
 from specops.data.prompts import SPLITS, read_split
 from specops.data.traces import (
@@ -59,6 +59,8 @@ from specops.data.traces import (
     LOGPROB_DTYPES,
     VERSION,
     SequenceTrace,
+    TraceError,
+    check_shard,
     hf_hidden_index,
     read_manifest,
     resolve_layers,
@@ -282,7 +284,11 @@ def shard_metadata(plan: dict[str, Any]) -> dict[str, str]:
 
 def resume_state(split_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     """The manifest to continue from: the old one when its plan matches, else a fresh one (old shards removed)."""
-    manifest = read_manifest(split_dir)
+    try:
+        manifest = read_manifest(split_dir)
+    except TraceError as error:  # without a manifest no shard can be checked, so none can be kept
+        log.warning("collect: %s Starting %s over.", error, split_dir)
+        manifest = None
     if manifest is not None and manifest["plan"] != plan:
         log.warning("collect: %s was made with other settings, target or prompts; starting it over.", split_dir)
         manifest = None
@@ -296,8 +302,7 @@ def resume_state(split_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
 
 def finished_shards(split_dir: Path, manifest: dict[str, Any]) -> set[int]:
     """Indices of recorded shards whose file is still there, unchanged."""
-    intact = [entry for entry in manifest["shards"]
-              if (split_dir / entry["file"]).is_file() and sha256_file(split_dir / entry["file"]) == entry["sha256"]]
+    intact = [entry for entry in manifest["shards"] if check_shard(split_dir / entry["file"], entry) is None]
     manifest["shards"] = intact
     return {entry["index"] for entry in intact}
 

@@ -19,12 +19,15 @@ norm, i.e. exactly the lm_head's input. Negative entries count from the end: -1 
 The safetensors header carries string metadata: format, version, top_k, hidden_layers (JSON, resolved to
 non-negative indices), target (JSON fingerprint), prompt_ids (JSON list, one per sequence) and the
 collect settings. Nothing is pickled.
+
+Shards and the manifest are replaced durably (specops.core.durable): a crash or power cut leaves the
+previous manifest, which names only shards whose bytes are on disk. Readers check every shard against
+the sha256 its manifest records, so a corrupted shard is an error, not silently different training data.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specops.core.durable import replace_durably, write_text_durably
 from specops.core.target import sha256_file
 
 FORMAT = "specops-traces"
@@ -40,6 +44,10 @@ VERSION = 1
 MANIFEST = "manifest.json"
 FIELDS = ("input_ids", "loss_mask", "topk_ids", "topk_logprobs", "hidden_states")
 LOGPROB_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class TraceError(RuntimeError):
+    """Traces on disk cannot be trusted (unreadable manifest, corrupted shard); the message says what to rerun."""
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -74,7 +82,7 @@ class SequenceTrace:
 
 
 def write_shard(path: Path, traces: list[SequenceTrace], metadata: dict[str, str], logprobs_dtype: str) -> dict[str, Any]:
-    """Write one shard (at least one sequence) atomically: temporary name, then rename. Returns its manifest entry."""
+    """Write one shard (at least one sequence) atomically and durably. Returns its manifest entry."""
     lengths = [len(t.input_ids) for t in traces]
     offsets = torch.zeros(len(traces) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -91,21 +99,37 @@ def write_shard(path: Path, traces: list[SequenceTrace], metadata: dict[str, str
     header = {**metadata, "prompt_ids": json.dumps([t.prompt_id for t in traces])}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=header)
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
     return {"file": path.name, "sequences": len(traces), "tokens": int(offsets[-1]),
             "response_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path)}
 
 
 def read_manifest(split_dir: Path) -> dict[str, Any] | None:
+    """The split's manifest, None when there is none; TraceError when it exists but cannot be read."""
     path = split_dir / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TraceError(f"{path} is unreadable ({error}).") from error
+    if not isinstance(manifest, dict) or not {"plan", "n_shards", "shards", "complete"} <= manifest.keys():
+        raise TraceError(f"{path} is not a trace manifest (it lacks plan, n_shards, shards or complete).")
+    return manifest
 
 
 def write_manifest(split_dir: Path, manifest: dict[str, Any]) -> None:
-    """Atomic, so a kill leaves the previous manifest, which names only shards that were fully written."""
-    tmp = split_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, split_dir / MANIFEST)
+    """Atomic and durable, so a kill leaves the previous manifest, which names only shards fully on disk."""
+    write_text_durably(split_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def check_shard(path: Path, entry: dict[str, Any]) -> str | None:
+    """Why the shard at `path` is not the one its manifest `entry` recorded, or None when it is."""
+    if not path.is_file():
+        return f"{path} is missing"
+    if sha256_file(path) != entry["sha256"]:
+        return f"{path} does not match the sha256 in {MANIFEST} (corrupted or edited)"
+    return None
 
 
 def next_token_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -123,13 +147,20 @@ class TraceShards:
 
     def __init__(self, split_dir: Path | str, fields: tuple[str, ...] = FIELDS) -> None:
         self.dir = Path(split_dir)
-        manifest = read_manifest(self.dir)
+        try:
+            manifest = read_manifest(self.dir)
+        except TraceError as error:
+            raise TraceError(f"{error} Rerun the collect stage: it starts the split over.") from error
         if manifest is None:
             raise FileNotFoundError(f"No traces in {self.dir} (no {MANIFEST}). Run the collect stage first.")
         if not manifest["complete"]:
             done = len(manifest["shards"])
             raise RuntimeError(f"Traces in {self.dir} are incomplete ({done}/{manifest['n_shards']} shards). "
                                "Rerun the collect stage: it resumes where it stopped.")
+        for entry in manifest["shards"]:  # hashing reads each shard once, at disk speed: cheap next to training
+            problem = check_shard(self.dir / entry["file"], entry)
+            if problem:
+                raise TraceError(f"{problem}. Rerun the collect stage: it regenerates that shard.")
         self.files = [self.dir / entry["file"] for entry in manifest["shards"]]
         self.plan: dict[str, Any] = manifest["plan"]
         self.fields = fields

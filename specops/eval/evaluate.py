@@ -8,15 +8,15 @@ older run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from specops.core.loop import SpeculativeGenerator
-from specops.core.target import Target
+from specops.core.target import DTYPES, Target
 from specops.core.types import DEFAULT_DRAFT_TOKENS
 from specops.data.prompts import read_split as read_split_rows
-from specops.drafters.kinds import MethodSpec
+from specops.drafters.kinds import DecodingConfig, MethodSpec
 from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class EvaluateConfig:
     """How many prompts of the split to run (the first ones, in the split file's id order)."""
     max_new_tokens: int = 96
     """Tokens generated per prompt and method."""
-    methods: list[str] = field(default_factory=lambda: ["prompt-lookup", "recycling@8", "draft-lm@4"])
+    methods: list[str] = field(default_factory=lambda: ["prompt-lookup", "draft-lm@4"])
     """Our methods, drafter[@size]; sizes of one kind make a sweep (the bundle takes the best)."""
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """Draft length of chain methods without an @SIZE, and the depth limit of tree methods (whose @SIZE
@@ -44,10 +44,33 @@ class EvaluateConfig:
     """Also run HF assisted generation with the trained draft LM, as the baseline to beat."""
     compare_champion: bool = True
     """Also run the registry's current champion bundle in the same benchmark."""
+    dtype: str = "bfloat16"
+    """The target's precision here and in the bundle's serving runtime (float32 or bfloat16). Lossless means
+    bitwise our plain decoding in this dtype, through the same runtime."""
+    static_width: int = DEFAULT_DRAFT_TOKENS + 1
+    """The serving runtime measured here and written to the bundle: 0 is the dynamic KV cache (trees
+    allowed; in bf16 its multi-row passes round differently, so nothing stays lossless there); N > 0 the
+    static runtime, every pass N rows wide (chains of at most N - 1 tokens; DecodingConfig.static_width)."""
+    compiled: bool = False
+    """The static runtime's passes through torch.compile: a minute or two of compiling per process and
+    pass width, then about 2x faster passes (DecodingConfig.compiled)."""
     out: str = "metrics/eval.json"
     """The metrics file (DVC metrics)."""
     plots_dir: str = "metrics/plots"
     """PNG plots: per-position acceptance and speedup per method."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"evaluate.dtype '{self.dtype}' is unknown. Choose one of: {', '.join(DTYPES)}.")
+        runtime = DecodingConfig(drafter="none", static_width=self.static_width, compiled=self.compiled)  # checks the pair
+        for name in self.methods:  # fail before any model loads, naming the method
+            try:
+                config = MethodSpec.parse(name).decoding(replace(runtime, draft_tokens=self.draft_tokens))
+            except ValueError as error:
+                raise ValueError(f"evaluate.methods: {name}: {error}") from error
+            if self.static_width and config.draft_tokens >= self.static_width:
+                raise ValueError(f"evaluate.methods: {name} drafts {config.draft_tokens} tokens, but passes of "
+                                 f"static_width {self.static_width} verify at most {self.static_width - 1}.")
 
 
 def read_split(path: Path, n: int) -> list[list[dict[str, str]]]:
@@ -66,11 +89,12 @@ def method_kind(name: str) -> str | None:
 
 
 def default_method(methods: dict[str, dict[str, Any]], kinds: list[str]) -> str:
-    """The fastest lossless method of the bundle's drafter kinds (the fastest of them if none is lossless)."""
+    """The fastest lossless method (bitwise our plain decoding through the same runtime) of the bundle's
+    drafter kinds; the fastest of them if none is lossless."""
     candidates = [name for name in methods if method_kind(name) in kinds]
     if not candidates:
         raise ValueError(f"evaluate.methods has no method of {kinds}, so the bundle's default cannot be chosen.")
-    lossless = [name for name in candidates if methods[name]["identical_to_ar"]] or candidates
+    lossless = [name for name in candidates if methods[name]["identical_to_plain"]] or candidates
     return max(lossless, key=lambda name: methods[name]["speedup_vs_ar"])
 
 
@@ -78,8 +102,8 @@ def snapshot(methods: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
     """The gate's view of one method: its name and headline numbers."""
     row = methods[name]
     return {"method": name, **{key: row[key] for key in
-                               ("speedup_vs_ar", "identical_to_ar", "mean_accepted_length", "acceptance_rate",
-                                "tokens_per_s")}}
+                               ("speedup_vs_ar", "identical_to_plain", "identical_to_ar", "mean_accepted_length",
+                                "acceptance_rate", "tokens_per_s")}}
 
 
 @dataclass
@@ -99,7 +123,8 @@ def evaluate(cfg: EvaluateConfig, target: Target, prompts_file: Path, models: Tr
              champion: SpeculativeGenerator | None) -> dict[str, Any]:
     prompts = read_split(prompts_file, cfg.n_prompts)
     bench = BenchConfig(dataset=str(prompts_file), n=len(prompts), max_new_tokens=cfg.max_new_tokens,
-                        drafters=cfg.methods, draft_tokens=cfg.draft_tokens, hf_assisted=cfg.hf_assisted, **models.available())
+                        drafters=cfg.methods, draft_tokens=cfg.draft_tokens, hf_assisted=cfg.hf_assisted,
+                        static_width=cfg.static_width, compiled=cfg.compiled, **models.available())
     report = run_benchmark(target, prompts, bench, {CHAMPION_METHOD: champion} if champion else None)
     methods = report["methods"]
     chosen = default_method(methods, cfg.bundle_drafters)
@@ -109,5 +134,5 @@ def evaluate(cfg: EvaluateConfig, target: Target, prompts_file: Path, models: Tr
     report["baseline"] = BASELINE
     log.info("evaluate: default method %s: %.3fx vs AR, %.2f tokens/step, lossless=%s", chosen,
              methods[chosen]["speedup_vs_ar"], methods[chosen]["mean_accepted_length"] or 0,
-             methods[chosen]["identical_to_ar"])
+             methods[chosen]["identical_to_plain"])
     return report

@@ -6,7 +6,8 @@ bundle's default strategy (the one in its serving.yaml), measured on the test pr
     {
         "method": "draft-lm+greedy",     # str: the default strategy that was measured (informative)
         "speedup_vs_ar": 1.42,           # float: wall-clock speedup over plain autoregressive decoding
-        "identical_to_ar": True,         # bool: every output equals the target's own greedy output
+        "identical_to_plain": True,      # bool: every output is bitwise the target's own plain decoding
+                                         # through the same runtime and dtype (lossless)
         "mean_accepted_length": 2.31,    # float: tokens committed per target forward pass
         "quality_drop": 0.004,           # float, lossy modes only: quality lost against the target, 0..1
     }
@@ -68,10 +69,10 @@ def _flag(metrics: dict[str, Any], key: str, side: str) -> bool:
 def _quality_refusal(challenger: dict[str, Any], cfg: GateConfig) -> str | None:
     """Why the challenger's output quality is unacceptable, or None when it is acceptable."""
     method = challenger.get("method", "the default strategy")
-    if _flag(challenger, "identical_to_ar", "challenger"):
+    if _flag(challenger, "identical_to_plain", "challenger"):
         return None
     if cfg.require_lossless:
-        return f"not lossless: {method} does not reproduce the target's output (identical_to_ar is false)"
+        return f"not lossless: {method} does not reproduce the target's output (identical_to_plain is false)"
     drop = _number(challenger, "quality_drop", "challenger")
     if drop > cfg.max_quality_drop:
         return f"lossy {method} loses too much quality: quality_drop {drop:.4f} > max_quality_drop {cfg.max_quality_drop:.4f}"

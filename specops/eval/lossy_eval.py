@@ -13,7 +13,7 @@ quality_drop = quality(lossless) - quality(point), so a lossy point that does be
 
 metrics/lossy.json holds, per mode, a list of points
     {threshold, speedup_vs_ar, speedup_vs_lossless, quality, quality_drop, scorer, identical_to_ar,
-     mean_accepted_length, lossy_accepted}
+     identical_to_plain, mean_accepted_length, lossy_accepted}
 and each point plus its method name is a promotion-gate snapshot (specops/eval/gate.py): `gate_snapshot`.
 """
 
@@ -175,6 +175,9 @@ def _report(cfg: LossyEvalConfig, target: Target, replies: dict[str, list[list[i
                 "speedup_vs_lossless": round(tps[name] / tps[LOSSLESS], 4), "quality": round(quality[name], 4),
                 "quality_drop": round(quality[LOSSLESS] - quality[name], 4), "scorer": cfg.scorer,
                 "identical_to_ar": replies[name] == reference,
+                # The gate's lossless flag: HF greedy is our plain decoding's output on this runtime (the
+                # target's dtype, dynamic cache), as tests/core/test_greedy_equality.py checks.
+                "identical_to_plain": replies[name] == reference,
                 "mean_accepted_length": round(s.mean_accepted_length, 4) if s.steps else None,
                 "lossy_accepted": s.lossy_accepted}
 

@@ -30,8 +30,10 @@ def evaluate_slices(target: Target, slices: dict[str, list[list[int]]], max_new_
     report: dict[str, Any] = {}
     for name, prompts in slices.items():
         # No HF prompt-lookup or assisted baselines: the gate needs the target's own decoding and the two drafters.
+        # Plain decoding runs on the challenger's runtime: the one whose losslessness the gate checks.
         bench = BenchConfig(dataset=f"osd:{name}", n=len(prompts), max_new_tokens=max_new_tokens, drafters=[],
-                            hf_assisted=False, hf_prompt_lookup_tokens=0)
+                            hf_assisted=False, hf_prompt_lookup_tokens=0, static_width=challenger.static_width,
+                            compiled=challenger.compiled)
         methods = run_benchmark_ids(target, prompts, bench, {CHAMPION: champion, CHALLENGER: challenger})["methods"]
         report[name] = {"prompts": len(prompts), CHAMPION: snapshot(methods, CHAMPION),
                         CHALLENGER: snapshot(methods, CHALLENGER), "methods": methods}

@@ -143,6 +143,10 @@ def evaluate(params: Params, target: Any) -> dict[str, Any]:
     _, heldout_rows = split_rows(params)
     prompts = _eval_prompts(params, target, heldout_rows)
     with parent_bundle(params) as parent, tempfile.TemporaryDirectory(prefix="specops-osd-eval-") as tmp:
+        if str(target.model.dtype).removeprefix("torch.") != parent.target_dtype:  # measure in the serving dtype
+            from specops.core.target import load_target
+
+            target = load_target(parent.target_source, parent.target_dtype)
         # The challenger runs from a bundle too, so it is measured through exactly the path that will serve it.
         challenger = write_challenger(Path(tmp) / "challenger", parent, cfg.out_dir, metrics={})
         generators = {name: generator_from_bundle(path, target).generator(SamplingParams())

@@ -5,7 +5,8 @@ publish the champion to a local folder.
   pyfunc model, registers it and points the alias `challenger` at the new version.
 - `promote` runs the gate (specops/eval/gate.py) on the challenger's and champion's eval snapshots and
   moves the alias `champion` only when it passes.
-- `publish` downloads a version by alias, verifies it and swaps it into place.
+- `publish` downloads a version by alias, verifies it against the registry's record and swaps it into
+  place atomically (out_dir is a symlink to a versioned folder).
 
 The bundle itself is never modified: its manifest is checksummed, so the run id and registry
 version are recorded as MLflow run tags and version tags instead.
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 import platform
 import re
+import secrets
 import shutil
 import subprocess
-import tempfile
 import time
 import warnings
 from collections.abc import Iterable
@@ -34,8 +36,9 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 from packaging.version import Version
 
+from specops.core.durable import fsync_dir, fsync_tree
 from specops.eval.gate import GateConfig, decide
-from specops.server.bundle import BundleError, load_bundle
+from specops.server.bundle import SHA256_TAG, VERSION_TAG, BundleError, load_bundle
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -103,7 +106,8 @@ class PublishConfig:
     alias: str = CHAMPION
     """Alias of the version to publish."""
     out_dir: str = "bundles/champion"
-    """Folder that receives the verified bundle; replaced only once the new one has passed verification."""
+    """Where the verified bundle appears: a symlink to a versioned folder beside it, swapped in one rename
+    once the new bundle has passed verification."""
 
 
 def tracking_setup(tracking_uri: str) -> None:
@@ -226,7 +230,8 @@ def register_bundle(
     run_tags = {
         **({"git_sha": built_by} if built_by else git_provenance()),
         **{f"version.{name}": version for name, version in package_versions().items()},
-        "bundle.version": bundle.version,
+        VERSION_TAG: bundle.version,
+        SHA256_TAG: bundle.manifest_sha256,
         "bundle.drafter_kind": bundle.drafter_kind,
         "target.source": bundle.target_source,
         "target.dtype": bundle.target_dtype,
@@ -253,7 +258,8 @@ def register_bundle(
         )
         version = str(info.registered_model_version)
         mlflow.set_tags({"registered_model_name": model_name, "registered_model_version": version})
-    for key in ("bundle.version", "bundle.drafter_kind", "git_sha", "target.name"):
+    # The bundle's hash, so that a download can be checked against what was registered (check_registered).
+    for key in (VERSION_TAG, SHA256_TAG, "bundle.drafter_kind", "git_sha", "target.name"):
         client.set_model_version_tag(model_name, version, key, run_tags[key])
     client.set_registered_model_alias(model_name, CHALLENGER, version)
     return run.info.run_id, version
@@ -323,18 +329,6 @@ def bundle_artifact_path(model_name: str, version: str) -> str:
     return model.flavors["python_function"]["artifacts"][BUNDLE_ARTIFACT]["path"]
 
 
-def _swap_in(new: Path, out_dir: Path, parking: Path) -> None:
-    """Replace out_dir by new with two renames on one filesystem; readers never see a mixed folder."""
-    if out_dir.exists():
-        out_dir.rename(parking)
-    try:
-        new.rename(out_dir)
-    except OSError:
-        if parking.exists():
-            parking.rename(out_dir)
-        raise
-
-
 def alias_version(model_name: str, alias: str) -> str | None:
     """The version an alias points at, or None when the model or the alias does not exist yet."""
     try:
@@ -349,8 +343,41 @@ def download_bundle(model_name: str, version: str, dst: Path) -> Path:
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
 
 
+def _published_prefix(out_dir: Path) -> str:
+    """Names of publish's own entries beside out_dir: versioned bundle folders and links being made."""
+    return f".{out_dir.name}.publish-"
+
+
+def _point_at(out_dir: Path, folder: Path, bundle_root: Path) -> None:
+    """Make out_dir a symlink to bundle_root with one rename: readers see the old bundle or the new one."""
+    if out_dir.is_dir() and not out_dir.is_symlink():
+        # A plain folder from before out_dir became a link: a rename cannot replace a folder by a link, so
+        # it moves aside first. This one-time migration is the only moment out_dir does not exist.
+        out_dir.rename(out_dir.with_name(f"{_published_prefix(out_dir)}plain-{secrets.token_hex(4)}"))
+    link = folder.with_name(f"{folder.name}.link")
+    os.symlink(os.path.relpath(bundle_root, out_dir.parent), link)  # relative: the project folder can move
+    os.replace(link, out_dir)
+    fsync_dir(out_dir.parent)  # the rename survives a power cut only once the folder is synced
+
+
+def _remove_unlinked(out_dir: Path, keep: Path) -> None:
+    """Remove publish's entries beside out_dir but `keep`: earlier versions, and what killed runs left."""
+    for path in out_dir.parent.glob(f"{_published_prefix(out_dir)}*"):
+        if path == keep:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
 def publish(model_name: str, *, alias: str, out_dir: Path | str) -> dict[str, Any]:
-    """Download the `alias` version's bundle, verify it, and put it at out_dir (kept if it fails)."""
+    """Download the `alias` version's bundle, verify it, and put it at out_dir (kept as it was if anything fails).
+
+    out_dir is a symlink to a versioned folder beside it, replaced by one os.replace of a new symlink, so a
+    kill at any moment leaves a verified bundle there: the old one or the new one. One publish per out_dir
+    at a time (DVC's repo lock ensures it): each removes the versioned folders that out_dir no longer names.
+    """
     client = MlflowClient()
     aliases = _aliases(client, model_name)
     if alias not in aliases:
@@ -359,18 +386,24 @@ def publish(model_name: str, *, alias: str, out_dir: Path | str) -> dict[str, An
     version = aliases[alias]
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Staging beside out_dir keeps the final renames on one filesystem.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # Beside out_dir, so the link is short and relative; mkdir, not mkdtemp, so readers get the umask's mode.
+    folder = out_dir.parent / f"{_published_prefix(out_dir)}v{version}-{secrets.token_hex(4)}"
+    folder.mkdir()
     try:
-        downloaded = download_bundle(model_name, version, staging / "new")
+        downloaded = download_bundle(model_name, version, folder)
         try:
             bundle = load_bundle(downloaded)
+            bundle.check_registered(client.get_model_version(model_name, version).tags)
         except BundleError as error:
             raise BundleError(f"Version {version} of '{model_name}' failed verification; "
                               f"{out_dir} was left as it was. {error}") from error
-        _swap_in(downloaded, out_dir, staging / "old")
+        fsync_tree(folder)  # the link must never name files whose bytes are still only in memory
+        _point_at(out_dir, folder, downloaded)
+        _remove_unlinked(out_dir, keep=folder)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not out_dir.resolve().is_relative_to(folder.resolve()):  # failed before the link was replaced
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.with_name(f"{folder.name}.link").unlink(missing_ok=True)
     return {"model_name": model_name, "alias": alias, "version": version,
             "bundle_version": bundle.version, "path": str(out_dir)}
 

@@ -196,7 +196,7 @@ def export_window(params: Params, state: dict[str, Any]) -> dict[str, Any]:
 def _summary(info: dict[str, Any], outcome: dict[str, dict[str, Any]], seconds: dict[str, float]) -> dict[str, Any]:
     decision, evaluation = outcome["promote"], outcome["evaluate"]
     slices = {name: {side: {key: evaluation[name][side][key] for key in
-                            ("acceptance_rate", "mean_accepted_length", "speedup_vs_ar", "identical_to_ar")}
+                            ("acceptance_rate", "mean_accepted_length", "speedup_vs_ar", "identical_to_plain")}
                      for side in ("champion", "challenger")} for name in evaluation}
     return {"status": "retrained", "window": info, "parent_version": info["parent_version"],
             "challenger_version": decision["challenger_version"], "promoted": decision["passed"],

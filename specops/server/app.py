@@ -30,9 +30,9 @@ from starlette.types import Receive, Scope, Send
 
 from specops.core.target import Target, encode_prompt, load_target
 from specops.core.types import SamplingParams
-from specops.server.config import ServerConfig
+from specops.server.config import ServerConfig, is_loopback
 from specops.server.feedback import FeedbackLog
-from specops.server.guards import STATUS_KEY, BearerAuth, BodyLimit, RequestRecorder
+from specops.server.guards import STATUS_KEY, BearerAuth, BodyLimit, LoopbackHosts, RequestRecorder
 from specops.server.metrics import CONTENT_TYPE, ServerMetrics
 from specops.server.protocol import (
     ApiError,
@@ -43,6 +43,7 @@ from specops.server.protocol import (
     error_body,
 )
 from specops.server.reload import SWAP_TIMEOUT_S, RegistryWatcher, bundle_model, plain_model
+from specops.server.transport import uvicorn_config
 from specops.server.worker import Delta, Event, Failed, GenerationWorker, Job, QueueFullError, ServedModel
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class Server:
         if not self.worker.ready.is_set():
             raise ApiError(503, "The model is still loading; retry shortly.", "server_error", code="not_ready",
                            headers={"Retry-After": str(self.config.retry_after_s)})
+        if (refusal := self.worker.feedback_refusal()) is not None:
+            raise ApiError(refusal.status, refusal.message, refusal.type, code=refusal.code,
+                           headers={"Retry-After": str(self.config.retry_after_s)})
         max_tokens = self._check_budget(len(prompt_ids), max_tokens, "messages" if chat else "prompt")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         pending = self._submit(request, body, request_id, prompt_ids, prompt_text, max_tokens, chat)
@@ -163,6 +167,10 @@ class Server:
             return Response(status_code=499)
 
     def _check_budget(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
+        if prompt_tokens > self.config.max_prompt_tokens:
+            raise ApiError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most "
+                           f"{self.config.max_prompt_tokens} (max_prompt_tokens).", param=prompt_param,
+                           code="prompt_too_long")
         limit = self.worker.model.target.max_context
         if prompt_tokens >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
@@ -319,6 +327,8 @@ def _install_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        if (refusal := server.worker.feedback_refusal()) is not None:
+            return JSONResponse({"status": "degraded", "reason": refusal.message}, status_code=503)
         if server.worker.ready.is_set():
             return JSONResponse({"status": "ready", **server.worker.model.describe()})
         status = "failed" if server.worker.failure else "starting"
@@ -363,14 +373,17 @@ def create_app(config: ServerConfig, model: ServedModel | None = None, target: T
     app.state.server = server
     _install_error_handlers(app)
     _install_routes(app, server)
-    # add_middleware wraps: the last added runs first. Count, then authenticate, then read the body.
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    # add_middleware wraps: the last added runs first. Count, then authenticate (or check the Host), then read
+    # the body.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key)
+    elif is_loopback(config.host):
+        app.add_middleware(LoopbackHosts)
     app.add_middleware(RequestRecorder, metrics=metrics, paths=COMPLETION_PATHS)
     return app
 
 
 def serve(config: ServerConfig) -> None:
     """Run the server in the foreground until interrupted."""
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
+    uvicorn.Server(uvicorn_config(create_app(config), config, log_level="info")).run()

@@ -39,6 +39,9 @@ DRAFTER = "drafter"
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
 COMPONENT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 MLFLOW_KEYS = ("run_id", "model_name", "model_version")
+# Registry model-version tags that register_bundle records: what a download must hash to.
+SHA256_TAG = "bundle.manifest_sha256"
+VERSION_TAG = "bundle.version"
 
 
 class BundleError(RuntimeError):
@@ -55,7 +58,8 @@ class Bundle:
     target_source: str  # what load_target() takes: "smollm2", a .gguf file or a model folder
     target_dtype: str
     fingerprint: TargetFingerprint
-    version: str  # first 12 hex of sha256(manifest.json): changes whenever any file changes
+    manifest_sha256: str  # sha256(manifest.json): the manifest lists every file's sha256, so it names the bundle
+    version: str  # its first 12 hex: changes whenever any file changes
     extra_dirs: dict[str, Path]  # optional components by name, e.g. {"acceptance_head": root/...}
 
     def check_target(self, expected: TargetFingerprint) -> None:
@@ -65,6 +69,20 @@ class Bundle:
             raise BundleError(f"Bundle {self.root} was built for another target ({self.fingerprint.name}), not "
                               f"{expected.name}: {reason}. Serve it with the target it was "
                               "trained on, or retrain the drafter for this one.")
+
+    def check_registered(self, tags: dict[str, str]) -> None:
+        """Refuse a download that is not the bundle the registry recorded at register time (its version tags).
+
+        Checksums only prove that a bundle agrees with its own manifest; an edited file with a re-hashed
+        manifest agrees too, but changes the manifest's hash."""
+        if SHA256_TAG in tags:
+            recorded, ours = tags[SHA256_TAG], self.manifest_sha256
+        else:  # versions registered before the full hash was recorded carry only its 12-hex prefix
+            recorded, ours = tags.get(VERSION_TAG), self.version
+        if recorded != ours:
+            raise BundleError(f"Bundle {self.root} is not the bundle the registry recorded: its manifest hashes to "
+                              f"{ours}, the registry has {recorded}. Its files were changed after registration; "
+                              "register the bundle again.")
 
 
 def _pickle_refusal(rel: str) -> str | None:
@@ -217,6 +235,7 @@ def load_bundle(path: Path | str, expected_fingerprint: TargetFingerprint | None
     if not isinstance(serving, dict) or not isinstance(serving.get("drafter"), str):
         raise BundleError(f"Bundle {root}: {SERVING} is missing or does not name a drafter kind.")
     components = {rel.split("/", 1)[0] for rel in manifest["files"] if "/" in rel}
+    digest = hashlib.sha256(raw).hexdigest()
     bundle = Bundle(
         root=root,
         manifest=manifest,
@@ -226,7 +245,8 @@ def load_bundle(path: Path | str, expected_fingerprint: TargetFingerprint | None
         target_source=target["source"],
         target_dtype=target["dtype"],
         fingerprint=fingerprint,
-        version=hashlib.sha256(raw).hexdigest()[:12],
+        manifest_sha256=digest,
+        version=digest[:12],
         extra_dirs={name: root / name for name in sorted(components - {DRAFTER})},
     )
     if expected_fingerprint is not None:

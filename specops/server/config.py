@@ -6,6 +6,7 @@ to these defaults, so a default is written exactly once.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -15,6 +16,17 @@ from specops.core.target import DTYPES
 from specops.drafters.kinds import DRAFTERS
 
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[A-Za-z0-9_-]+)$")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # as they appear in a Host header
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on `host` keeps the server unreachable from other machines."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another name: it may resolve to anything
+        return False
 
 
 def option(default: Any, help: str) -> Any:
@@ -48,12 +60,26 @@ class ServerConfig:
     api_key: str | None = field(default_factory=_api_key_from_env, metadata={
         "help": "bearer token every endpoint but /health requires; read from env SPECOPS_API_KEY, so it never "
                 "appears in a process listing"})
+    insecure_no_auth: bool = option(
+        False, "serve a non-loopback --host without an API key, every endpoint open to whoever reaches it "
+               "(e.g. behind a proxy that authenticates); without it such a server refuses to start")
     max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
+    # Connections: without limits, clients that connect and send nothing (or a byte now and then) hold a file
+    # descriptor each until the process runs out and stops accepting.
+    max_connections: int = option(256, "open connections at most (keep it well below `ulimit -n`); requests "
+                                       "arriving past it get 503")
+    header_timeout_s: float = option(10.0, "a request's headers must arrive within this many seconds of the "
+                                           "connection opening or of the previous response; else it is closed")
+    body_timeout_s: float = option(30.0, "a request's body must arrive within this many seconds of its headers; "
+                                         "else 408")
+    keep_alive_s: int = option(5, "an idle keep-alive connection is closed after this many seconds")
     # Load: one generation at a time (drafters keep per-sequence state), the rest wait in a queue.
     queue_size: int = option(16, "requests that may wait behind the running one; more get 429")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 429")
     timeout_s: float = option(120.0, "per-request limit on queue wait plus generation; past it 504")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (cut to the context left)")
+    max_prompt_tokens: int = option(4096, "longer prompts get 400: the prefill runs on the worker in one piece, "
+                                          "so a long one holds every queued request up")
     # Feedback log for online retraining.
     feedback: bool = option(True, "log one row per finished request to the feedback database")
     feedback_db: str = option("feedback/feedback.db", "SQLite feedback database (WAL mode)")
@@ -71,7 +97,10 @@ class ServerConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"Unknown dtype '{self.dtype}'. Choose one of: {', '.join(DTYPES)}.")
         positive = {"queue_size": self.queue_size, "timeout_s": self.timeout_s, "max_body_bytes": self.max_body_bytes,
-                    "default_max_tokens": self.default_max_tokens, "feedback_max_rows": self.feedback_max_rows}
+                    "default_max_tokens": self.default_max_tokens, "feedback_max_rows": self.feedback_max_rows,
+                    "max_prompt_tokens": self.max_prompt_tokens, "max_connections": self.max_connections,
+                    "header_timeout_s": self.header_timeout_s, "body_timeout_s": self.body_timeout_s,
+                    "keep_alive_s": self.keep_alive_s}
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}.")
@@ -79,6 +108,11 @@ class ServerConfig:
             raise ValueError("poll_s and retry_after_s must be >= 0.")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}.")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("The API key is empty: set SPECOPS_API_KEY to a secret, or unset it to serve without one.")
+        if not self.api_key and not self.insecure_no_auth and not is_loopback(self.host):
+            raise ValueError(f"Serving on {self.host} without an API key would open every endpoint to anyone who can "
+                             "reach it. Set SPECOPS_API_KEY, or pass --insecure-no-auth if that is intended.")
 
 
 def help_of(name: str) -> str:

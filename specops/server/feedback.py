@@ -2,7 +2,9 @@
 
 One SQLite row per finished request, in WAL mode with synchronous=FULL: a row is on disk when
 `append` returns, and the server calls it before the response ends, so every response a client
-received completely has its row even if the process is killed right after. Token ids are always
+received completely has its row even if the process is killed right after. When a row cannot be written
+(a full disk), its request fails with 503 and the server refuses requests until a `probe` write succeeds
+(specops/server/worker.py), so the promise holds rather than answers going unlogged. Token ids are always
 stored; prompt text only when configured. A retention cap drops the oldest rows and counts them.
 `export` writes rows to Parquet for the retraining pipeline.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -123,6 +126,11 @@ class FeedbackLog:
                     self._conn.execute("ROLLBACK")
                 raise
         return dropped
+
+    def probe(self) -> None:
+        """One small committed write: after a failed append (disk full, ...), whether writes work again."""
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('last_probe', ?)", (int(time.time()),))
 
     def count(self) -> int:
         with self._lock:

@@ -15,7 +15,7 @@ from specops.drafters.factory import build_drafter, build_policy, resolve_verifi
 from specops.drafters.kinds import DRAFTERS, DecodingConfig
 from specops.lossy.modes import LOSSY_MODES, OFF, LossyModels
 from specops.lossy.router import COMPONENT as ROUTER_COMPONENT
-from specops.server.bundle import Bundle, load_bundle
+from specops.server.bundle import Bundle, BundleError, load_bundle
 
 
 class TextGenerator:
@@ -65,6 +65,18 @@ class TextGenerator:
                 "stats": result.stats.to_dict()}
 
 
+def _router_dir(bundle: Bundle, router_dir: str | None) -> str | None:
+    """serving.yaml's router_dir, relative to the bundle (default: its router component). A path that leaves
+    the bundle is refused: it would serve routers that no checksum covers."""
+    if router_dir is None:
+        return str(bundle.extra_dirs[ROUTER_COMPONENT]) if ROUTER_COMPONENT in bundle.extra_dirs else None
+    path = (bundle.root / router_dir).resolve()  # an absolute router_dir replaces the root here
+    if not path.is_relative_to(bundle.root.resolve()):
+        raise BundleError(f"Bundle {bundle.root}: serving.yaml's router_dir '{router_dir}' is outside the bundle; "
+                          "ship the routers as its router/ component instead.")
+    return str(path)
+
+
 def generator_from_bundle(bundle: Bundle | str | Path, target: Target | None = None) -> TextGenerator:
     """A generator for a bundle and the target it was built for; the fingerprint must match.
 
@@ -76,8 +88,7 @@ def generator_from_bundle(bundle: Bundle | str | Path, target: Target | None = N
         target = load_target(bundle.target_source, bundle.target_dtype)
     bundle.check_target(target.fingerprint)
     config = DecodingConfig.from_serving(bundle.serving)
-    if config.router_dir is None and ROUTER_COMPONENT in bundle.extra_dirs:
-        config.router_dir = str(bundle.extra_dirs[ROUTER_COMPONENT])
+    config.router_dir = _router_dir(bundle, config.router_dir)
     head = bundle.extra_dirs.get(HEAD_COMPONENT) if DRAFTERS[bundle.drafter_kind].acceptance_head else None
     drafter = build_drafter(bundle.drafter_kind, target, config, bundle.drafter_dir, head)
     return TextGenerator(target, drafter, config)

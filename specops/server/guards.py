@@ -1,4 +1,5 @@
-"""ASGI middleware in front of the API: request counting, bearer-token auth and a body size limit.
+"""ASGI middleware in front of the API: request counting, bearer-token auth (or, without a key, a Host check)
+and a body size limit and deadline.
 
 They are plain ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client
 disconnects pass through them untouched.
@@ -6,6 +7,7 @@ disconnects pass through them untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Collection
@@ -13,6 +15,7 @@ from collections.abc import Collection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specops.server.config import LOOPBACK_NAMES
 from specops.server.metrics import ServerMetrics
 from specops.server.protocol import error_body
 
@@ -80,12 +83,51 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-class BodyLimit:
-    """Reads the body up front and answers 413 past `max_bytes`, with or without a Content-Length."""
+def _split_host(host: str) -> tuple[str, str]:
+    """A Host header's name and port ('' when absent): '[::1]:8000' -> ('[::1]', '8000')."""
+    name, colon, port = host.rpartition(":")
+    if not colon or "]" in port:  # no port; in '[::1]' the colons are the address's own
+        return host, ""
+    return name, port
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class LoopbackHosts:
+    """Only requests addressed to a loopback name pass, for a keyless server listening on loopback.
+
+    A web page can point a domain of its own at 127.0.0.1 (DNS rebinding) and reach such a server from the
+    browser of anyone on the machine; its requests then carry that domain in the Host header.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
+        name, port = _split_host(host)
+        server = scope.get("server")
+        if name not in LOOPBACK_NAMES or (port and (server is None or port != str(server[1]))):
+            await _send_error(scope, receive, send, 400, f"Invalid Host header '{host}': this server has no API key, "
+                              f"so it answers only requests addressed to {', '.join(LOOPBACK_NAMES)} and its port.",
+                              "invalid_request_error", "invalid_host")
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLargeError(Exception):
+    """The body is past BodyLimit's max_bytes."""
+
+
+class BodyLimit:
+    """Reads the body up front: 413 past `max_bytes` (with or without a Content-Length), 408 when it has not
+    arrived `timeout_s` after the headers."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,19 +142,18 @@ class BodyLimit:
             if int(declared) > self.max_bytes:
                 await _send_error(scope, receive, send, 413, too_large, "invalid_request_error", "body_too_large")
                 return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await _send_error(scope, receive, send, 413, too_large, "invalid_request_error", "body_too_large")
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except BodyTooLargeError:
+            await _send_error(scope, receive, send, 413, too_large, "invalid_request_error", "body_too_large")
+            return
+        except TimeoutError:
+            # Closing the connection: the rest of the body may still be on its way.
+            await _send_error(scope, receive, send, 408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                              "invalid_request_error", "body_timeout", headers={"Connection": "close"})
+            return
+        if body is None:
+            return  # the client left before sending its body
         replayed = False
 
         async def replay() -> Message:
@@ -120,7 +161,22 @@ class BodyLimit:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body; None if the client disconnected first."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                raise BodyTooLargeError()
+            if not message.get("more_body", False):
+                return b"".join(chunks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specops.server.worker import Completion
 
@@ -20,6 +20,9 @@ MAX_STOP_STRINGS = 4  # as in OpenAI's API
 # Accepted only at these values: one choice per request (the drafter serves one sequence at a time)
 # and no penalties (they would change the target distribution that verification preserves).
 NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# Below it, logits / temperature can overflow (5e-324 makes every probability NaN), and the distribution is
+# greedy's in all but rounding anyway; vLLM raises smaller temperatures to the same value.
+MIN_TEMPERATURE = 0.01
 
 
 class ApiError(Exception):
@@ -41,6 +44,26 @@ class ApiError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _not_unicode(value: Any, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """Where in a decoded JSON value a string or key is not valid Unicode (None if nowhere). JSON's \\ud800
+    escapes decode to lone surrogates, on which the tokenizer, SQLite and UTF-8 responses all fail."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = (*path, str(key))
+        found = _not_unicode(key, where) if isinstance(key, str) else None
+        if found is None:
+            found = _not_unicode(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 class StrictModel(BaseModel):
@@ -69,12 +92,33 @@ class SamplingFields(StrictModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        # Raised as is (pydantic wraps only ValueError): its message and param name the place, which may itself
+        # be a field name with a lone surrogate in it, escaped here so the error response can be encoded.
+        path = _not_unicode(data)
+        if path is None:
+            return data
+        where = [part.encode("utf-8", "backslashreplace").decode("utf-8") for part in path]
+        raise ApiError(400, f"Invalid value for '{'.'.join(where)}': the text has a lone surrogate (such as "
+                       "\\ud800), which is not valid Unicode.", param=where[0] if where else None,
+                       code="invalid_unicode")
+
     @field_validator("n", "presence_penalty", "frequency_penalty")
     @classmethod
     def _neutral_only(cls, value: float, info: ValidationInfo) -> float:
         if value != NEUTRAL[info.field_name]:
             raise ValueError(f"this server supports only {info.field_name}={NEUTRAL[info.field_name]}")
         return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}: smaller ones overflow "
+                             "the logits")
+        return temperature
 
     @field_validator("logit_bias")
     @classmethod

@@ -2,10 +2,12 @@
 
 Three sources: a bundle folder (verified once), `models:/NAME@ALIAS` (downloaded, verified, and the
 alias polled), or a plain target + drafter without a bundle. On a new alias version the watcher
-downloads it, finds the bundle root (the folder holding manifest.json), verifies every checksum
-and the target fingerprint against the loaded target, and hands it to the worker, which warms it
-up and swaps it in between two requests. A version that fails is refused, logged and counted, and
-the old model keeps serving; it is tried again only if the alias moves on.
+downloads it, finds the bundle root (the folder holding manifest.json), verifies every checksum,
+that the manifest hashes to what the registry recorded at register time (a re-hashed manifest
+passes the checksums) and the target fingerprint against the loaded target, and hands it to the
+worker, which warms it up with a greedy and a sampled request and swaps it in between two requests.
+A version that fails is refused, logged and counted, and the old model keeps serving; it is tried
+again only if the alias moves on.
 
 A bundle built for another target is refused, not served by loading a second target: that would
 double memory and change tokenization under queued requests. Serving a new target is a restart.
@@ -21,6 +23,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specops.core.target import DEFAULT_TARGET, Target, load_target
 from specops.drafters.factory import build_drafter
@@ -31,9 +34,12 @@ from specops.server.generator import TextGenerator, generator_from_bundle
 from specops.server.metrics import ServerMetrics
 from specops.server.worker import ServedModel
 
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
 log = logging.getLogger(__name__)
 
-SWAP_TIMEOUT_S = 600.0  # waits for the running request to end, then one warm-up generation
+SWAP_TIMEOUT_S = 600.0  # waits for the running request to end, then the warm-up generations
 
 
 def plain_model(config: ServerConfig, target: Target | None = None) -> ServedModel:
@@ -45,9 +51,12 @@ def plain_model(config: ServerConfig, target: Target | None = None) -> ServedMod
 
 
 def bundle_model(path: Path | str, target: Target | None, model_version: str | None = None,
-                 source: str | None = None) -> ServedModel:
-    """A verified bundle. With `target`, the bundle must have been built for exactly that target."""
+                 source: str | None = None, registry_tags: dict[str, str] | None = None) -> ServedModel:
+    """A verified bundle. With `target`, the bundle must have been built for exactly that target; with
+    `registry_tags` (a model version's), it must be the bundle the registry recorded."""
     bundle = load_bundle(path)  # hashes every file once; the generator checks the target's fingerprint
+    if registry_tags is not None:
+        bundle.check_registered(registry_tags)
     generator = generator_from_bundle(bundle, target=target)
     return ServedModel(generator, drafter=bundle.drafter_kind, bundle_version=bundle.version,
                        model_version=model_version, source=source or str(path))
@@ -131,11 +140,13 @@ class RegistryWatcher:
             except Exception:  # a registry outage must not kill the watcher: the next poll retries
                 log.exception("Polling %s failed; retrying in %.0f s", self.model_uri, self.poll_s)
 
-    def _alias_version(self) -> str:
+    def _client(self) -> MlflowClient:
         from mlflow import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
-        return str(client.get_model_version_by_alias(self.name, self.alias).version)
+        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+
+    def _alias_version(self) -> str:
+        return str(self._client().get_model_version_by_alias(self.name, self.alias).version)
 
     def _install_version(self, version: str, install: Callable[[ServedModel], None], target: Target) -> Path:
         model, folder = self._load(version, target)
@@ -154,8 +165,9 @@ class RegistryWatcher:
         try:
             mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{self.name}/{version}", dst_path=str(folder),
                                                 tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+            tags = self._client().get_model_version(self.name, version).tags
             model = bundle_model(find_bundle_root(folder), target, model_version=version,
-                                 source=f"models:/{self.name}/{version}")
+                                 source=f"models:/{self.name}/{version}", registry_tags=tags)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

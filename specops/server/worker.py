@@ -29,8 +29,11 @@ from specops.server.textstream import TextStream
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # how often an idle worker looks for a pending hot swap or a stop request
+FEEDBACK_RETRY_S = 1.0  # while the feedback log cannot be written, how often the worker tries a write again
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
+# One request of each kind the server accepts, so a model that would refuse one is refused before it serves.
+WARMUP_SAMPLINGS = ({"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9, "seed": 0})
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,9 @@ class ServedModel:
 
 
 def warm_up(model: ServedModel) -> None:
-    """One short generation: the first call pays one-off costs that a request should not see."""
-    model.generator.generate_text(WARMUP_PROMPT, max_new_tokens=WARMUP_TOKENS)
+    """Short greedy and sampled generations: the first calls pay one-off costs that a request should not see."""
+    for sampling in WARMUP_SAMPLINGS:
+        model.generator.generate_text(WARMUP_PROMPT, max_new_tokens=WARMUP_TOKENS, **sampling)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)  # set when nobody awaits the result
 
 
+def _feedback_refusal(failure: str) -> Failed:
+    return Failed(503, f"The feedback log cannot be written ({failure}), and every answer must be logged: retry "
+                  "later.", "server_error", "feedback_unavailable")
+
+
 class QueueFullError(RuntimeError):
     """Every queue slot is taken; the client should retry later."""
 
@@ -121,6 +130,10 @@ class GenerationWorker:
         self._thread = threading.Thread(target=self._run, name="specops-generation", daemon=True)
         self.ready = threading.Event()
         self.failure: str | None = None  # why the worker could not start, for /ready
+        # Why the feedback log cannot be written; requests are refused meanwhile, since the log promises a row
+        # for every answer. The worker retries a write every FEEDBACK_RETRY_S until one succeeds.
+        self.feedback_failure: str | None = None
+        self._next_feedback_retry = 0.0
         metrics.watch_queue(self._queue.qsize)
         metrics.set_serving(model.bundle_version, model.model_version, model.drafter)
 
@@ -166,6 +179,7 @@ class GenerationWorker:
         self.ready.set()
         while not self._stop.is_set():
             self._apply_pending_swap()
+            self._retry_feedback()
             try:
                 job = self._queue.get(timeout=IDLE_POLL_S)
             except queue.Empty:
@@ -189,8 +203,31 @@ class GenerationWorker:
         self._metrics.set_serving(model.bundle_version, model.model_version, model.drafter)
         done.set_result(None)
 
+    def feedback_refusal(self) -> Failed | None:
+        """The 503 for requests while the feedback log cannot be written; None when it can."""
+        failure = self.feedback_failure  # read once: the worker thread may clear it meanwhile
+        return None if failure is None else _feedback_refusal(failure)
+
+    def _retry_feedback(self) -> None:
+        if self._feedback is None or self.feedback_failure is None or time.monotonic() < self._next_feedback_retry:
+            return
+        try:
+            self._feedback.probe()
+        except sqlite3.Error as error:
+            self._feedback_failed(error)
+            return
+        log.info("The feedback log can be written again; serving resumes.")
+        self.feedback_failure = None
+
+    def _feedback_failed(self, error: sqlite3.Error) -> None:
+        self.feedback_failure = str(error)
+        self._next_feedback_retry = time.monotonic() + FEEDBACK_RETRY_S
+
     def _serve(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left or timed out while queued
+            return
+        if (refusal := self.feedback_refusal()) is not None:  # queued before the log failed
+            job.emit(refusal)
             return
         model = self._model
         try:
@@ -204,8 +241,8 @@ class GenerationWorker:
             return
         if completion is None:
             return
-        self._record(job, completion)  # committed before the last event, hence before the response ends
-        job.emit(Finished(completion))
+        # Committed before the last event, hence before the response ends; an answer without its row fails.
+        job.emit(self._record(job, completion) or Finished(completion))
 
     def _generate(self, job: Job, model: ServedModel) -> Completion | None:
         """Run one generation, emitting text deltas; None when the job was cancelled midway."""
@@ -234,10 +271,11 @@ class GenerationWorker:
         return Completion(finish_reason=finish, prompt_tokens=len(job.prompt_ids),
                           output_ids=list(generation.token_ids), stats=generation.stats, model=model)
 
-    def _record(self, job: Job, completion: Completion) -> None:
+    def _record(self, job: Job, completion: Completion) -> Failed | None:
+        """Count the generation and log its row; the 503 to answer instead when the row could not be written."""
         self._metrics.observe_generation(completion.prompt_tokens, completion.stats)
         if self._feedback is None:
-            return
+            return None
         model = completion.model
         sampling = {"temperature": job.sampling.temperature, "top_p": job.sampling.top_p,
                     "top_k": job.sampling.top_k, "seed": job.seed, "max_tokens": job.max_tokens, "stop": job.stop}
@@ -248,10 +286,12 @@ class GenerationWorker:
             per_step=completion.stats.per_step, finish_reason=completion.finish_reason, prompt_text=job.prompt_text)
         try:
             dropped = self._feedback.append(record)
-        except sqlite3.Error:
-            # Serving stays up when the log cannot be written (disk full, ...); the counter makes it visible.
-            log.exception("Could not write the feedback row of request %s", job.request_id)
+        except sqlite3.Error as error:  # disk full, ...: refuse requests until a write succeeds again
+            log.exception("Could not write the feedback row of request %s; refusing requests until it can.",
+                          job.request_id)
             self._metrics.feedback_errors.inc()
-            return
+            self._feedback_failed(error)
+            return _feedback_refusal(str(error))
         self._metrics.feedback_rows.inc()
         self._metrics.feedback_dropped.inc(dropped)
+        return None

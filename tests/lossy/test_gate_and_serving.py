@@ -15,7 +15,7 @@ from specops.server.generator import TextGenerator
 from tests.conftest import tiny_llama
 
 POINT = {"threshold": 0.5, "speedup_vs_ar": 1.6, "speedup_vs_lossless": 1.2, "quality": 0.78, "quality_drop": 0.05,
-         "scorer": "humaneval", "identical_to_ar": False, "mean_accepted_length": 3.1, "lossy_accepted": 40}
+         "scorer": "humaneval", "identical_to_ar": False, "identical_to_plain": False, "mean_accepted_length": 3.1, "lossy_accepted": 40}
 
 
 def test_gate_refuses_a_lossy_default_that_loses_too_much_quality():

@@ -13,7 +13,7 @@ from specops.pipeline.stages import STAGES, stage_inputs
 from tests.lossy.conftest import DELIMITER
 
 POINT_KEYS = {"threshold", "speedup_vs_ar", "speedup_vs_lossless", "quality", "quality_drop", "scorer",
-              "identical_to_ar", "mean_accepted_length", "lossy_accepted"}
+              "identical_to_ar", "identical_to_plain", "mean_accepted_length", "lossy_accepted"}
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,12 @@ likelihoods are scored as documented."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
 import torch
 
 from specops.data.datasets import read_humaneval
-from specops.train.sandbox import FAILED, PASSED, TIMED_OUT, run_python
 from specops.train.scorers import (
     SCORERS,
     Response,
@@ -35,6 +32,8 @@ BAD_CODE = {
     "wrong answer": "def has_close_elements(numbers, threshold):\n    return False\n",
     "exit early": "import os\nos._exit(0)\n",
     "sys.exit early": "import sys\nsys.exit(0)\n",
+    "equal to everything": "class Yes:\n    def __eq__(self, other):\n        return True\n"
+                           "def has_close_elements(numbers, threshold):\n    return Yes()\n",
 }
 
 
@@ -58,29 +57,6 @@ def test_humaneval_fails_bad_code_within_the_timeout(task, case):
     start = time.perf_counter()
     assert humaneval(task, f"```python\n{BAD_CODE[case]}```", timeout_s=1.5) == 0.0
     assert time.perf_counter() - start < 10  # bounded: the timeout plus interpreter start-up
-
-
-def test_sandbox_reports_why_and_kills_the_process_group():
-    assert run_python("x = 1\nassert x == 1").status == PASSED
-    assert run_python("raise ValueError('boom')").detail == "ValueError: boom"
-    slow = run_python("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
-                      "while True: pass", timeout_s=1.0)
-    assert slow.status == TIMED_OUT
-    assert run_python("def f(:\n  pass").status == FAILED
-
-
-def test_sandbox_has_no_network():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    accepted = []
-    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
-    try:
-        result = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)", timeout_s=5)
-        assert result.status == FAILED and not accepted
-    finally:
-        server.close()
 
 
 def test_extract_code_takes_the_first_python_block():

@@ -22,6 +22,7 @@ from specops.drafters.kinds import DecodingConfig
 from specops.server.app import create_app
 from specops.server.config import ServerConfig
 from specops.server.generator import TextGenerator
+from specops.server.transport import uvicorn_config
 from specops.server.worker import ServedModel
 
 START_TIMEOUT_S = 60.0  # the first generation in a process pays one-off costs (warm-up)
@@ -106,7 +107,8 @@ def start_live(config: ServerConfig, model: ServedModel | None = None, target: A
     app = create_app(config, model=model, target=target)
     sock = free_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    # The settings `specops serve` uses (connection limit, header deadline), so the tests see what it serves.
+    server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{port}", app, config, server, thread)

@@ -35,6 +35,9 @@ def test_every_endpoint_but_health_needs_the_key(start_server, target):
                            timeout=30)
         assert ok.status_code == 200, (path, ok.text)
     assert httpx.get(live.url + "/health").status_code == 200
+    # With a key the Host header is not checked: the key keeps a rebinding page out, whatever name it uses.
+    assert httpx.get(live.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}", "Host": "api.example"},
+                     ).status_code == 200
 
     assert client(live.url, KEY).completions.create(model="specops", prompt="w1", max_tokens=3).choices[0].text
     with pytest.raises(openai.AuthenticationError):

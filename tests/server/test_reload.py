@@ -11,10 +11,17 @@ from typing import Any
 import httpx
 import pytest
 
+from specops.core.loop import GenerationRequestError
 from specops.core.target import TargetFingerprint
-from specops.server.bundle import load_bundle, write_bundle
-from specops.server.reload import bundle_model, find_bundle_root
-from tests.server.conftest import metric
+from specops.drafters.factory import build_drafter
+from specops.drafters.kinds import DecodingConfig
+from specops.server.bundle import BundleError, load_bundle, write_bundle
+from specops.server.generator import TextGenerator
+from specops.server.metrics import ServerMetrics
+from specops.server.reload import RegistryWatcher, bundle_model, find_bundle_root
+from specops.server.worker import ServedModel, warm_up
+from tests.pipeline.registry.conftest import rehash
+from tests.server.conftest import metric, served
 
 MODEL = "tiny-drafter"
 CHAMPION = "champion"
@@ -36,8 +43,8 @@ def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return uri
 
 
-def make_bundle(folder: Path, drafter: str, fingerprint: TargetFingerprint) -> Path:
-    return write_bundle(folder, drafter_dir=None, drafter_kind=drafter, serving={"draft_tokens": 4},
+def make_bundle(folder: Path, drafter: str, fingerprint: TargetFingerprint, **serving: Any) -> Path:
+    return write_bundle(folder, drafter_dir=None, drafter_kind=drafter, serving={"draft_tokens": 4, **serving},
                         target_source="in-memory", target_dtype="float32", fingerprint=fingerprint,
                         metrics={"speedup_vs_ar": 1.0})
 
@@ -146,3 +153,50 @@ def test_serves_a_bundle_folder_or_a_plain_drafter(start_server, target, tmp_pat
     reply = answers(plain.url)
     assert reply["system_fingerprint"] == "drafter-none" and reply["usage"]["drafted"] == 0
     assert reply["choices"][0]["text"] == answers(from_bundle.url)["choices"][0]["text"]  # lossless
+
+
+def test_reload_refuses_what_the_registry_did_not_record_or_cannot_sample(registry, target, tmp_path, caplog):
+    artifacts = tmp_path / "mlartifacts"
+    first = register(make_bundle(tmp_path / "b1", "recycling", target.fingerprint), artifacts)
+    watcher = RegistryWatcher(f"models:/{MODEL}@{CHAMPION}", registry, poll_s=3600, metrics=ServerMetrics())
+    installed = [watcher.load_initial(target)]
+
+    def install(model: ServedModel) -> None:  # what the worker does before it swaps a model in
+        warm_up(model)
+        installed.append(model)
+
+    watcher.start(install)
+    try:
+        # Edited after registration and re-hashed: every checksum matches, the registry's record does not.
+        edited = register(make_bundle(tmp_path / "b2", "prompt-lookup", target.fingerprint), artifacts)
+        (stored_bundle(edited) / "serving.yaml").write_text("drafter: prompt-lookup\ndraft_tokens: 64\n")
+        rehash(stored_bundle(edited), "serving.yaml")
+        watcher.poll_once()
+        assert "is not the bundle the registry recorded" in caplog.text
+        # A bundle that refuses sampled requests fails the warm-up.
+        register(make_bundle(tmp_path / "b3", "prompt-lookup", target.fingerprint, verifier="greedy"), artifacts)
+        watcher.poll_once()
+        assert "greedy verifier needs temperature 0" in caplog.text
+        assert [model.model_version for model in installed] == [first]
+        good = register(make_bundle(tmp_path / "b4", "prompt-lookup", target.fingerprint), artifacts)
+        watcher.poll_once()
+        assert [model.model_version for model in installed] == [first, good]
+    finally:
+        watcher.stop()
+
+
+def test_warm_up_runs_greedy_and_sampled_requests(target):
+    config = DecodingConfig(drafter="none", verifier="greedy")
+    greedy_only = ServedModel(TextGenerator(target, build_drafter("none", target, config), config), drafter="none")
+    with pytest.raises(GenerationRequestError, match="temperature 0"):
+        warm_up(greedy_only)
+    warm_up(served(target))  # verifier auto serves both
+
+
+@pytest.mark.parametrize("router_dir", ["../routers", "{tmp}/routers"])
+def test_router_dir_outside_the_bundle_is_refused(tmp_path, target, router_dir):
+    outside = make_bundle(tmp_path / "b1", "recycling", target.fingerprint, router_dir=router_dir.format(tmp=tmp_path))
+    with pytest.raises(BundleError, match="router_dir .* is outside the bundle"):
+        bundle_model(outside, target)
+    inside = make_bundle(tmp_path / "b2", "recycling", target.fingerprint, router_dir="router")
+    assert bundle_model(inside, target).generator.config.router_dir == str((inside / "router").resolve())

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,18 @@ from safetensors.torch import load_file
 from specops.core.target import encode_prompt, target_from_model
 from specops.data import collect as collect_module
 from specops.data.collect import CollectConfig, collect
-from specops.data.traces import MANIFEST, TraceShards, hf_hidden_index, next_token_mask, resolve_layers
+from specops.data.traces import (
+    MANIFEST,
+    SequenceTrace,
+    TraceError,
+    TraceShards,
+    hf_hidden_index,
+    next_token_mask,
+    resolve_layers,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
 from tests.train.conftest import LAYERS, collect_config, write_jsonl
 
 
@@ -239,3 +252,72 @@ def test_batched_regeneration_is_greedy_only():
         CollectConfig(generate_batch_size=8, temperature=0.7)
     with pytest.raises(ValueError, match="generate_batch_size >= 1"):
         CollectConfig(generate_batch_size=0)
+
+
+def flip_loss_mask_byte(shard: Path) -> None:
+    """Flip one loss_mask entry in place: still a valid safetensors file, with other training data in it."""
+    raw = bytearray(shard.read_bytes())
+    header_size = int.from_bytes(raw[:8], "little")
+    start, _ = json.loads(raw[8:8 + header_size])["loss_mask"]["data_offsets"]
+    raw[8 + header_size + start] ^= 1
+    shard.write_bytes(bytes(raw))
+
+
+def assert_same_shards(split: Path, reference: Path) -> None:
+    assert [f.name for f in shard_files(split)] == [f.name for f in shard_files(reference)]
+    for ours, theirs in zip(shard_files(split), shard_files(reference), strict=True):
+        a, b = load_file(str(ours)), load_file(str(theirs))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_corrupted_shard_is_refused_on_read_and_regenerated(tmp_path, traces_dir, prompts_dir, tiny_target):
+    split = tmp_path / "val"
+    shutil.copytree(traces_dir / "val", split)
+    flip_loss_mask_byte(shard_files(split)[0])
+    with pytest.raises(TraceError, match=r"shard-00000\.safetensors does not match the sha256 in manifest\.json"):
+        TraceShards(split)
+    report = collect(collect_config(tmp_path, splits=["val"]), tiny_target, prompts_dir)["val"]
+    assert report["shards_resumed"] == report["shards"] - 1
+    assert len(TraceShards(split)) == len(TraceShards(traces_dir / "val"))
+    assert_same_shards(split, traces_dir / "val")
+
+
+@pytest.mark.parametrize("content", ["", "{\"plan\": {}}", "[1, 2]"])
+def test_an_unreadable_manifest_is_a_clear_error_and_collect_starts_over(tmp_path, traces_dir, prompts_dir,
+                                                                       tiny_target, content):
+    split = tmp_path / "val"
+    shutil.copytree(traces_dir / "val", split)
+    (split / MANIFEST).write_text(content)  # e.g. a rename that reached the disk before the file's bytes
+    with pytest.raises(TraceError, match="manifest.json is (unreadable|not a trace manifest).*Rerun the collect stage"):
+        TraceShards(split)
+    report = collect(collect_config(tmp_path, splits=["val"]), tiny_target, prompts_dir)["val"]
+    assert report["shards_resumed"] == 0
+    assert_same_shards(split, traces_dir / "val")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files through /proc")
+def test_shards_and_manifest_are_synced_before_and_after_their_rename(tmp_path, monkeypatch):
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src: Path, dst: Path) -> None:
+        events.append(("replace", Path(src), Path(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    trace = SequenceTrace("p0", torch.tensor([5, 6, 7]), 1, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2), None)
+    write_shard(tmp_path / shard_name(0), [trace], {}, "float32")
+    write_manifest(tmp_path, {"plan": {}, "n_shards": 1, "shards": [], "complete": False})
+
+    renames = [event for event in events if event[0] == "replace"]
+    assert [dst.name for _, _, dst in renames] == [shard_name(0), MANIFEST]
+    for rename in renames:
+        _, src, dst = rename
+        at = events.index(rename)
+        assert ("fsync", src.resolve()) in events[:at]  # the bytes reach the disk before the name does
+        assert ("fsync", dst.parent.resolve()) in events[at + 1:]  # and the rename itself after it

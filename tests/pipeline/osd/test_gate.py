@@ -21,7 +21,7 @@ from tests.pipeline.osd.conftest import MODEL
 
 
 def snap(length: float) -> dict[str, Any]:
-    return {"method": "draft-lm", "mean_accepted_length": length, "speedup_vs_ar": 1.0, "identical_to_ar": True,
+    return {"method": "draft-lm", "mean_accepted_length": length, "speedup_vs_ar": 1.0, "identical_to_plain": True,
             "acceptance_rate": 0.5, "tokens_per_s": 10.0}
 
 

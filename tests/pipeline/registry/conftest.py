@@ -4,6 +4,7 @@ MLflow store per test, and a fake generator factory standing in for specops.draf
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import sys
 import types
@@ -15,13 +16,20 @@ import mlflow
 import pytest
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-from specops.core.target import TargetFingerprint
+from specops.core.target import TargetFingerprint, sha256_file
 from specops.pipeline.registry import tracking_setup
 from specops.server.bundle import Bundle, write_bundle
 
 SERVING = {"verifier": "greedy", "draft_tokens": 4}
-SNAPSHOT = {"method": "draft-lm+greedy", "speedup_vs_ar": 1.5, "identical_to_ar": True,
+SNAPSHOT = {"method": "draft-lm+greedy", "speedup_vs_ar": 1.5, "identical_to_plain": True,
             "mean_accepted_length": 2.2, "accepted_per_position": [9, 5, 2]}
+
+
+def rehash(bundle: Path, rel: str) -> None:
+    """Record an edited file's new checksum in the manifest: the bundle verifies again, but is another bundle."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"][rel] = {"sha256": sha256_file(bundle / rel), "size": (bundle / rel).stat().st_size}
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from specops.core.target import sha256_file
-from specops.server.bundle import BundleError, load_bundle, write_bundle
+from specops.server.bundle import SHA256_TAG, VERSION_TAG, BundleError, load_bundle, write_bundle
+from tests.pipeline.registry.conftest import rehash
 
 
 def _rewrite_manifest(root: Path, **changes: object) -> None:
@@ -83,6 +84,19 @@ def test_tampered_serving_yaml_is_refused(make_bundle):
     (root / "serving.yaml").write_text(yaml.safe_dump({"drafter": "draft-lm", "verifier": "rejection"}))
     with pytest.raises(BundleError, match=r"'serving\.yaml' does not match"):
         load_bundle(root)
+
+
+def test_a_rehashed_bundle_verifies_but_is_not_the_registered_one(make_bundle):
+    bundle = load_bundle(make_bundle())
+    registered = {SHA256_TAG: bundle.manifest_sha256, VERSION_TAG: bundle.version}
+    bundle.check_registered(registered)
+    bundle.check_registered({VERSION_TAG: bundle.version})  # registered before the full hash was recorded
+    (bundle.root / "serving.yaml").write_text(yaml.safe_dump({"drafter": "draft-lm", "verifier": "rejection"}))
+    rehash(bundle.root, "serving.yaml")
+    edited = load_bundle(bundle.root)  # consistent with its own manifest: the checksums alone accept it
+    for tags in (registered, {VERSION_TAG: bundle.version}, {SHA256_TAG: "0" * 64, VERSION_TAG: edited.version}, {}):
+        with pytest.raises(BundleError, match="is not the bundle the registry recorded"):
+            edited.check_registered(tags)
 
 
 def test_missing_file_is_refused(make_bundle):

@@ -10,7 +10,7 @@ from specops.pipeline.registry import PromoteConfig
 
 
 def snapshot(speedup: float, lossless: bool = True, **extra: object) -> dict[str, object]:
-    return {"method": "draft-lm+greedy", "speedup_vs_ar": speedup, "identical_to_ar": lossless,
+    return {"method": "draft-lm+greedy", "speedup_vs_ar": speedup, "identical_to_plain": lossless,
             "mean_accepted_length": 2.0, **extra}
 
 
@@ -30,7 +30,7 @@ LOSSY = GateConfig(require_lossless=False, max_quality_drop=0.01)
         (snapshot(1.90), snapshot(2.0), CFG, True, "within tolerance"),  # exactly on the floor
         (snapshot(2.50), snapshot(2.0), CFG, True, "within tolerance"),
         (snapshot(1.94), snapshot(2.0), GateConfig(speedup_tolerance=0.0), False, "beyond tolerance"),
-        ({**snapshot(1.0), "identical_to_ar": 1.0}, None, CFG, True, "no champion yet"),  # MLflow's 0/1 booleans
+        ({**snapshot(1.0), "identical_to_plain": 1.0}, None, CFG, True, "no champion yet"),  # MLflow's 0/1 booleans
         (snapshot(2.0, lossless=False, quality_drop=0.005), snapshot(1.5), LOSSY, True, "within tolerance"),
         (snapshot(2.0, lossless=False, quality_drop=0.05), None, LOSSY, False, "loses too much quality"),
     ],
@@ -52,8 +52,8 @@ def test_gate_compares_the_configured_metric():
 @pytest.mark.parametrize(
     ("challenger", "champion", "message"),
     [
-        ({"identical_to_ar": True}, None, r"challenger's eval snapshot has no number under 'speedup_vs_ar'"),
-        ({"speedup_vs_ar": 2.0}, None, r"challenger's eval snapshot has no boolean under 'identical_to_ar'"),
+        ({"identical_to_plain": True}, None, r"challenger's eval snapshot has no number under 'speedup_vs_ar'"),
+        ({"speedup_vs_ar": 2.0}, None, r"challenger's eval snapshot has no boolean under 'identical_to_plain'"),
         (snapshot(2.0), {"method": "x"}, r"champion's eval snapshot has no number under 'speedup_vs_ar'"),
     ],
 )

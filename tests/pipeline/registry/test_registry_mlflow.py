@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlflow
@@ -11,6 +13,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
+import specops.pipeline.registry as registry
 from specops.eval.gate import GateConfig
 from specops.pipeline.registry import (
     CHALLENGER,
@@ -23,7 +26,8 @@ from specops.pipeline.registry import (
     register_bundle,
     requests_from_input,
 )
-from specops.server.bundle import BundleError, load_bundle
+from specops.server.bundle import SHA256_TAG, BundleError, load_bundle
+from tests.pipeline.registry.conftest import rehash
 
 MODEL = "tiny-drafter"
 GATE = GateConfig(speedup_tolerance=0.05)
@@ -34,7 +38,7 @@ def register(mlflow_store: Path, make_bundle: Any, tmp_path: Path) -> Any:
     """register(name, speedup) writes a bundle with that eval snapshot and registers it."""
 
     def run(name: str, speedup: float, lossless: bool = True) -> tuple[str, str, Path]:
-        snapshot = {"method": "draft-lm+greedy", "speedup_vs_ar": speedup, "identical_to_ar": lossless,
+        snapshot = {"method": "draft-lm+greedy", "speedup_vs_ar": speedup, "identical_to_plain": lossless,
                     "mean_accepted_length": 2.0, "accepted_per_position": [5, 3, 1],
                     "by_method": {"prompt_lookup+greedy": {"speedup_vs_ar": 0.9}}}
         root = make_bundle(name, metrics=snapshot)
@@ -68,7 +72,7 @@ def test_register_logs_a_run_and_sets_challenger(register, mlflow_store, tmp_pat
     assert run.data.params["train_draft.lr"] == "0.001"
     assert run.data.params["bundle.serving.verifier"] == "greedy"
     assert run.data.metrics["speedup_vs_ar"] == 1.5
-    assert run.data.metrics["identical_to_ar"] == 1.0
+    assert run.data.metrics["identical_to_plain"] == 1.0
     assert [m.value for m in client.get_metric_history(run_id, "accepted_per_position")] == [5, 3, 1]
     assert run.data.metrics["by_method.prompt_lookup_greedy.speedup_vs_ar"] == 0.9  # "+" is not a valid key char
     tags = run.data.tags
@@ -79,6 +83,7 @@ def test_register_logs_a_run_and_sets_challenger(register, mlflow_store, tmp_pat
     assert {"version.torch", "version.transformers", "version.mlflow", "version.specops"} <= set(tags)
     assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/b1-acceptance.png"]
     assert client.get_model_version(MODEL, version).tags["bundle.version"] == load_bundle(root).version
+    assert client.get_model_version(MODEL, version).tags[SHA256_TAG] == load_bundle(root).manifest_sha256
     # Artifacts land under the configured root, and the registered bundle is byte-identical.
     assert load_bundle(_version_artifact_dir(version)).version == load_bundle(root).version
     assert _version_artifact_dir(version).is_relative_to(mlflow_store)
@@ -185,7 +190,7 @@ def test_publish_writes_a_verified_bundle_and_keeps_it_when_the_next_fails(regis
     with pytest.raises(BundleError, match=rf"Version {v2} of 'tiny-drafter' failed verification.*drafter/config\.json"):
         publish(MODEL, alias=CHAMPION, out_dir=out)
     assert load_bundle(out).version == load_bundle(root1).version  # the old champion is still served
-    assert [p.name for p in out.parent.iterdir()] == ["champion"]  # no staging folder left behind
+    assert _published_entries(out) == _published_entries(out, only_linked=True)  # no staging folder left behind
 
     with pytest.raises(RegistryError, match="has no 'canary' alias"):
         publish(MODEL, alias="canary", out_dir=out)
@@ -196,3 +201,80 @@ def test_existing_experiment_keeps_its_artifact_location(mlflow_store, tmp_path)
     assert mlflow.get_experiment(first).artifact_location == mlflow_store.resolve().as_uri()
     with pytest.warns(UserWarning, match="already stores artifacts"):
         assert ensure_experiment("exp", str(tmp_path / "elsewhere")) == first
+
+
+def _published_entries(out: Path, only_linked: bool = False) -> list[str]:
+    """Names beside out: all of them, or what a clean publish leaves (out and the folder it links to)."""
+    if only_linked:
+        return sorted([out.name, out.resolve().relative_to(out.parent.resolve()).parts[0]])
+    return sorted(p.name for p in out.parent.iterdir())
+
+
+class Killed(Exception):
+    """Stands in for a kill at one step of publish (raised there, it skips every later step)."""
+
+
+def _kill_at(monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    def killed(*args: Any, **kwargs: Any) -> None:
+        raise Killed(step)
+
+    module, _, name = step.rpartition(".")
+    if module:  # os.replace, shutil.rmtree: publish's own calls only, not MLflow's
+        real = getattr(registry, module)
+        monkeypatch.setattr(registry, module, SimpleNamespace(**{**vars(real), name: killed}))
+    else:
+        monkeypatch.setattr(registry, name, killed)
+
+
+@pytest.mark.parametrize(
+    ("step", "served"),
+    [
+        ("download_bundle", "b1"),
+        ("fsync_tree", "b1"),  # downloaded and verified, not linked yet
+        ("os.symlink", "b1"),
+        ("os.replace", "b1"),  # the new link exists beside out, out still names the old bundle
+        ("fsync_dir", "b2"),  # the one rename is done
+        ("shutil.rmtree", "b2"),  # the old version's folder is still there
+    ],
+)
+def test_publish_killed_at_any_step_leaves_a_verified_bundle(register, tmp_path, monkeypatch, step, served):
+    _, _, first = register("b1", speedup=1.5)
+    promote(MODEL, gate_cfg=GATE)
+    out = tmp_path / "bundles" / "champion"
+    publish(MODEL, alias=CHAMPION, out_dir=out)
+    _, _, second = register("b2", speedup=1.6)
+    promote(MODEL, gate_cfg=GATE)
+    roots = {"b1": first, "b2": second}
+
+    with monkeypatch.context() as patch:
+        _kill_at(patch, step)
+        with pytest.raises(Killed):
+            publish(MODEL, alias=CHAMPION, out_dir=out)
+    assert load_bundle(out).version == load_bundle(roots[served]).version
+
+    publish(MODEL, alias=CHAMPION, out_dir=out)  # the next publish completes it and clears what the kill left
+    assert load_bundle(out).version == load_bundle(roots["b2"]).version
+    assert _published_entries(out) == _published_entries(out, only_linked=True)
+
+
+def test_publish_replaces_a_plain_folder_by_a_link(register, tmp_path):
+    _, _, root = register("b1", speedup=1.5)
+    promote(MODEL, gate_cfg=GATE)
+    out = tmp_path / "bundles" / "champion"
+    shutil.copytree(root, out)  # what publish wrote before it published links
+    publish(MODEL, alias=CHAMPION, out_dir=out)
+    assert out.is_symlink() and load_bundle(out).version == load_bundle(root).version
+    assert _published_entries(out) == _published_entries(out, only_linked=True)
+
+
+def test_publish_refuses_a_bundle_edited_and_rehashed_in_the_store(register, tmp_path):
+    _, version, _ = register("b1", speedup=1.5)
+    promote(MODEL, gate_cfg=GATE)
+    stored = _version_artifact_dir(version)
+    (stored / "serving.yaml").write_text("drafter: draft-lm\nverifier: rejection\n")
+    rehash(stored, "serving.yaml")
+    load_bundle(stored)  # consistent with its own manifest
+    out = tmp_path / "bundles" / "champion"
+    with pytest.raises(BundleError, match=f"Version {version} .* is not the bundle the registry recorded"):
+        publish(MODEL, alias=CHAMPION, out_dir=out)
+    assert list(out.parent.iterdir()) == []
