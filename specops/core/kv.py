@@ -125,7 +125,10 @@ class CachedLM:
             layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, index]], dim=2)
 
 
-STATIC_BUCKET = 256  # static cache lengths are rounded up to this, so nearby requests share a shape
+# Static cache lengths are rounded up to this. Attention reads every slot, stale or not, so a small step
+# wastes less: a 250-token prompt and 128 new tokens take 384 slots, and compiled bf16 plain decoding
+# 20.6 ms a token there, against 21.3 ms with 512 (2026-11-25).
+STATIC_BUCKET = 64
 
 
 def static_cache_length(prompt_tokens: int, max_new_tokens: int, width: int) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -12,10 +12,39 @@ from specops.core.kv import CachedLM, StaticLM, static_cache_length
 from specops.core.policies import DraftLengthPolicy, FixedPolicy
 from specops.core.sampling import PositionNoise, logits_to_probs
 from specops.core.target import Target
-from specops.core.types import DEFAULT_DRAFT_TOKENS, Generation, GenerationStats, SamplingParams
+from specops.core.types import (
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_PREFILL_CHUNK,
+    Generation,
+    GenerationStats,
+    SamplingParams,
+)
 from specops.core.verify import VERIFIERS, verify_tree
 
 GREEDY = SamplingParams()
+Cancelled = Callable[[], bool]  # polled between prefill chunks: True once nobody awaits the result
+
+
+def prefill(lm: CachedLM | StaticLM, token_ids: list[int], chunk: int, cancelled: Cancelled | None = None) -> bool:
+    """Feed the prompt in passes of at most `chunk` tokens (0: one pass); False when `cancelled` stopped it.
+
+    A prompt no longer than the chunk is one pass, as HF's generate prefills it. A longer one is
+    numerically a different computation (the chunks' products and attention reduce over other shapes),
+    so its logits may round differently from a one-pass prefill's; plain and speculative decoding share
+    this function, so they still share the same prefill bit for bit. Chunks write cache slots in order,
+    so the cache ends as a one-pass prefill leaves it (the static cache needs no more room).
+    """
+    size = chunk if chunk > 0 else max(len(token_ids), 1)
+    features: list[torch.Tensor] = []
+    for begin in range(0, len(token_ids), size):
+        if cancelled is not None and cancelled():
+            return False
+        lm.prefill(token_ids[begin: begin + size])
+        if lm.features is not None:
+            features.append(lm.features)
+    if features:  # feature-reading drafters observe the whole prompt, as after one pass
+        lm.features = torch.cat(features)
+    return True
 
 
 class GenerationRequestError(ValueError):
@@ -40,7 +69,7 @@ class GenerationStream:
 class SpeculativeGenerator:
     def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None,
-                 static_width: int = 0, compiled: bool = False) -> None:
+                 static_width: int = 0, compiled: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         """`policy` decides the draft length of each step (specops/core/policies.py); without one, every
         step drafts `draft_tokens`.
 
@@ -48,7 +77,8 @@ class SpeculativeGenerator:
         after the prefill is that many rows wide, so each row's logits are bitwise those of plain
         decoding through the same runtime, in bf16 as in fp32. Drafts are then at most static_width - 1
         tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding).
-        `compiled` runs the static runtime's passes through torch.compile (specops.core.llama)."""
+        `compiled` runs the static runtime's passes through torch.compile (specops.core.llama).
+        `prefill_chunk` bounds the tokens of one prefill pass (0: the whole prompt in one), see `prefill`."""
         if verifier not in VERIFIERS:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
@@ -57,6 +87,8 @@ class SpeculativeGenerator:
             raise ValueError(f"static_width must be >= 0 (0: the dynamic runtime), got {static_width}")
         if compiled and not static_width:
             raise ValueError("compiled runs the static runtime: give a static_width > 0")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {prefill_chunk}")
         policy = policy if policy is not None else FixedPolicy(draft_tokens)
         if policy.stop is not None and (drafter is None or not drafter.predicts_acceptance):
             raise ValueError(f"The '{policy.name}' policy stops drafts on an acceptance head's predictions: it needs "
@@ -69,6 +101,7 @@ class SpeculativeGenerator:
         self.eos = target.eos_token_ids
         self.static_width = static_width
         self.compiled = compiled
+        self.prefill_chunk = prefill_chunk
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -82,14 +115,16 @@ class SpeculativeGenerator:
                 f"target's context of {limit} tokens.")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                 seed: int | None = None) -> Generation:
-        stream = self.stream(prompt_ids, max_new_tokens, sampling, seed)
+                 seed: int | None = None, cancelled: Cancelled | None = None) -> Generation:
+        stream = self.stream(prompt_ids, max_new_tokens, sampling, seed, cancelled)
         for _ in stream:
             pass
         return stream.generation
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-               seed: int | None = None) -> GenerationStream:
+               seed: int | None = None, cancelled: Cancelled | None = None) -> GenerationStream:
+        """`cancelled` is polled between prefill chunks; once it is true the stream ends with no tokens and
+        finish_reason "cancelled" (between decode steps, the caller stops iterating instead)."""
         self.check_request(prompt_ids, max_new_tokens)
         if self.verifier == "greedy" and not sampling.greedy:
             raise GenerationRequestError("The greedy verifier needs temperature 0; use 'rejection' or 'block' to sample.")
@@ -97,11 +132,12 @@ class SpeculativeGenerator:
         generator: torch.Generator | PositionNoise = torch.Generator().manual_seed(seed if seed is not None else 0)
         if self.verifier == "coupled":  # every position drawn with noise keyed by (seed, position)
             generator = PositionNoise(seed if seed is not None else 0, self.target.vocab_size)
-        return GenerationStream(self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation),
-                                generation)
+        steps = self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation, cancelled)
+        return GenerationStream(steps, generation)
 
     def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
-               generator: torch.Generator | PositionNoise, out: Generation) -> Iterator[list[int]]:
+               generator: torch.Generator | PositionNoise, out: Generation,
+               cancelled: Cancelled | None) -> Iterator[list[int]]:
         stats = out.stats
         start = time.perf_counter()
         coupled = isinstance(generator, PositionNoise)
@@ -114,7 +150,9 @@ class SpeculativeGenerator:
                 lm = StaticLM(self.target.model, self.static_width, length, hidden_layers, self.compiled)
             else:
                 lm = CachedLM(self.target.model, hidden_layers)
-            lm.prefill(context[:-1])
+            if not prefill(lm, context[:-1], self.prefill_chunk, cancelled):
+                out.finish_reason = "cancelled"
+                return
             if self.drafter is not None:
                 self.drafter.reset()
                 if lm.features is not None:

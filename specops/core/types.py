@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, field
 
 # The one default draft length: chain drafters draft this many tokens a step; tree drafters accept at most this depth.
 DEFAULT_DRAFT_TOKENS = 6
+# The one default prefill chunk: the prompt is prefilled this many tokens a pass, and a cancelled request
+# stops between two passes, so an abandoned long prompt frees the worker within one chunk.
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -90,4 +93,4 @@ class GenerationStats:
 class Generation:
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str  # "stop" (an EOS token) or "length"
+    finish_reason: str  # "stop" (an EOS token), "length", or "cancelled" (stopped during the prefill)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specops.core.policies import POLICIES
-from specops.core.types import DEFAULT_DRAFT_TOKENS
+from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
 
 Weights = Literal["draft_lm", "aligned_head"]  # the weights folder a kind loads (a bundle's drafter/)
 
@@ -89,10 +89,15 @@ class DecodingConfig:
     # Run the static runtime's passes through torch.compile (specops.core.llama): a minute or two to
     # compile once a process, then about 2x faster passes on a CPU. Needs static_width > 0 and a C++ compiler.
     compiled: bool = False
+    # Tokens per prefill pass (0: the whole prompt in one): a cancelled request stops between two passes.
+    # Prompts longer than this round differently from a one-pass prefill, the same for plain and speculative.
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         if self.static_width < 0:
             raise ValueError(f"static_width must be >= 0, got {self.static_width}.")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {self.prefill_chunk}.")
         if self.compiled and not self.static_width:
             raise ValueError("compiled runs the static runtime: set static_width > 0 too.")
         if self.static_width and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:

@@ -26,7 +26,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specops.core.kv import CachedLM
-from specops.core.loop import GREEDY, GenerationRequestError, GenerationStream, SpeculativeGenerator
+from specops.core.loop import (
+    GREEDY,
+    Cancelled,
+    GenerationRequestError,
+    GenerationStream,
+    SpeculativeGenerator,
+    prefill,
+)
 from specops.core.target import Target
 from specops.core.types import Generation, SamplingParams
 from specops.core.verify import verify_greedy
@@ -95,21 +102,23 @@ class ArbitrageGenerator(SpeculativeGenerator):
         self.max_step_tokens = max_step_tokens
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-               seed: int | None = None) -> GenerationStream:
+               seed: int | None = None, cancelled: Cancelled | None = None) -> GenerationStream:
         if not sampling.greedy:
             raise GenerationRequestError("The arbitrage lossy mode decodes greedily: use temperature 0.")
-        stream = super().stream(prompt_ids, max_new_tokens, sampling, seed)
+        stream = super().stream(prompt_ids, max_new_tokens, sampling, seed, cancelled)
         stats = stream.generation.stats
         stats.lossy, stats.lossy_mode, stats.lossy_threshold = True, self.decision.mode, self.decision.threshold
         return stream
 
     def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
-               generator: torch.Generator, out: Generation) -> Iterator[list[int]]:
+               generator: torch.Generator, out: Generation, cancelled: Cancelled | None) -> Iterator[list[int]]:
         stats = out.stats
         start = time.perf_counter()
         with torch.inference_mode():
             lm = CachedLM(self.target.model)
-            lm.prefill(context[:-1])
+            if not prefill(lm, context[:-1], self.prefill_chunk, cancelled):
+                out.finish_reason = "cancelled"
+                return
             self.draft.reset()
             stats.prefill_s = time.perf_counter() - start
             while stats.new_tokens < max_new_tokens:

@@ -20,7 +20,13 @@ from transformers import PreTrainedModel
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
 from specops.core.kv import CachedLM
-from specops.core.loop import GREEDY, GenerationRequestError, GenerationStream, SpeculativeGenerator
+from specops.core.loop import (
+    GREEDY,
+    Cancelled,
+    GenerationRequestError,
+    GenerationStream,
+    SpeculativeGenerator,
+)
 from specops.core.sampling import Randomness
 from specops.core.target import Target
 from specops.core.types import DEFAULT_DRAFT_TOKENS, Generation, SamplingParams
@@ -85,10 +91,10 @@ class JudgeGenerator(SpeculativeGenerator):
         self._generation: Generation | None = None  # the stream being served (one at a time, like the drafter)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-               seed: int | None = None) -> GenerationStream:
+               seed: int | None = None, cancelled: Cancelled | None = None) -> GenerationStream:
         if not sampling.greedy:
             raise GenerationRequestError("The autojudge lossy mode decodes greedily: use temperature 0.")
-        stream = super().stream(prompt_ids, max_new_tokens, sampling, seed)
+        stream = super().stream(prompt_ids, max_new_tokens, sampling, seed, cancelled)
         stats = stream.generation.stats
         stats.lossy, stats.lossy_mode, stats.lossy_threshold = True, MODE, self.threshold
         self._generation = stream.generation

@@ -78,8 +78,8 @@ class ServerConfig:
     retry_after_s: int = option(1, "Retry-After seconds sent with a 429")
     timeout_s: float = option(120.0, "per-request limit on queue wait plus generation; past it 504")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (cut to the context left)")
-    max_prompt_tokens: int = option(4096, "longer prompts get 400: the prefill runs on the worker in one piece, "
-                                          "so a long one holds every queued request up")
+    max_prompt_tokens: int = option(4096, "longer prompts get 400: a prompt's prefill holds every queued request "
+                                          "up (an abandoned one stops within one prefill chunk, DecodingConfig)")
     # Feedback log for online retraining.
     feedback: bool = option(True, "log one row per finished request to the feedback database")
     feedback_db: str = option("feedback/feedback.db", "SQLite feedback database (WAL mode)")

@@ -52,7 +52,7 @@ class TextGenerator:
             return self.lossy_models().generator(mode, threshold, self.config.draft_tokens)
         return SpeculativeGenerator(self.target, self.drafter, resolve_verifier(self.config.verifier, sampling),
                                     self.config.draft_tokens, policy=self.policy, static_width=self.config.static_width,
-                                    compiled=self.config.compiled)
+                                    compiled=self.config.compiled, prefill_chunk=self.config.prefill_chunk)
 
     def generate_text(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 64, temperature: float = 0.0,
                       top_p: float = 1.0, seed: int | None = None, raw: bool = False, lossy_mode: str | None = None,

@@ -247,7 +247,9 @@ class GenerationWorker:
     def _generate(self, job: Job, model: ServedModel) -> Completion | None:
         """Run one generation, emitting text deltas; None when the job was cancelled midway."""
         text = TextStream(model.target.tokenizer, job.stop)
-        stream = model.generator.generator(job.sampling).stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed)
+        # The loop polls the job between prefill chunks, so an abandoned long prompt frees the worker within one.
+        stream = model.generator.generator(job.sampling).stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
+                                                                job.cancelled.is_set)
         first = True
         try:
             for ids in stream:

@@ -193,8 +193,8 @@ def test_trees_are_refused_with_a_reason(target):
 
 
 def test_cache_length_is_shared_by_plain_and_speculative_runs():
-    assert static_cache_length(100, 128, 4) == static_cache_length(100, 128, 4) == 256
-    assert static_cache_length(200, 128, 4) == 512
+    assert static_cache_length(100, 128, 4) == static_cache_length(100, 128, 4) == 256  # 232, rounded up to 64s
+    assert static_cache_length(200, 128, 4) == 384
     with pytest.raises(ValueError, match="1 to 4 tokens"):
         StaticLM(tiny_llama(0), 4, 256).forward([1, 2, 3, 4, 5])
 

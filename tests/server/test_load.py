@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 
+from specops.core.kv import CachedLM
 from specops.drafters.kinds import DecodingConfig
 from specops.server.generator import TextGenerator
+from specops.server.worker import ServedModel
 from tests.server.conftest import PROMPTS, metric, served, slow_model
 from tests.server.test_openai_api import client
 
@@ -117,3 +119,30 @@ def test_concurrent_greedy_requests_equal_solo_ones_and_each_logs_one_row(start_
         rows = dict(db.execute("SELECT request_id, output_ids FROM requests").fetchall())
     assert len(rows) == 2 * len(PROMPTS)
     assert {request_id for request_id, _ in concurrent} <= set(rows)
+
+
+def test_an_abandoned_long_prompt_frees_the_worker_within_one_prefill_chunk(start_server, target, monkeypatch):
+    """The worker polls the job between prefill chunks: a prompt whose client timed out stops at the next
+    chunk, so the request behind it is served within its own deadline instead of waiting out the prefill."""
+    chunk_s, passes = 0.1, []
+    original = CachedLM.prefill
+
+    def slow_chunk(self: CachedLM, ids: list[int]) -> None:
+        passes.append(len(ids))
+        time.sleep(chunk_s)
+        original(self, ids)
+
+    monkeypatch.setattr(CachedLM, "prefill", slow_chunk)
+    config = DecodingConfig(drafter="none", prefill_chunk=8)
+    live = start_server(model=ServedModel(TextGenerator(target, None, config), drafter="none"), timeout_s=1.0)
+    long_prompt = " ".join(f"w{i % 90}" for i in range(200))  # ~200 tokens: 26 chunks, 2.6 s of prefill
+    passes.clear()  # the warm-up prefilled too
+    response = httpx.post(live.url + CHAT, json={"messages": [{"role": "user", "content": long_prompt}],
+                                                 "max_tokens": 2, "temperature": 0}, timeout=30)
+    assert response.status_code == 504
+    started = len(passes)  # the job was cancelled before its 504 was sent
+    quick = httpx.post(live.url + CHAT, json={**LONG, "max_tokens": 2}, timeout=30)
+    assert quick.status_code == 200  # not a 504 behind the rest of the abandoned prefill
+    # The long prompt's chunks are 8 tokens; the quick prompt's 5 go in one pass of their own.
+    assert 0 < started < 25 and passes[started:].count(8) <= 1  # at most the chunk in flight when cancelled
+    assert live.state.feedback.count() == 1  # only the quick request
