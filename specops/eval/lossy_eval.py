@@ -38,6 +38,7 @@ from specops.lossy.arbitrage import ArbitrageGenerator
 from specops.lossy.greedy_lm import GreedyLM
 from specops.lossy.modes import LossyModels
 from specops.train.mine_arbitrage import OracleDecision, StepOracle
+from specops.train.sandbox import DEFAULT_ISOLATION
 from specops.train.scorers import DEFAULT_SCORER, ScoringContext, get_scorer, reply_scorer
 from specops.train.train_router import read_rows
 
@@ -70,6 +71,10 @@ class LossyEvalConfig:
     """Also run the Arbitrage oracle: two target rollouts per differing step, so slow."""
     timeout_s: float = 5.0
     """humaneval scorer: wall-clock limit per program run."""
+    sandbox_isolation: str = DEFAULT_ISOLATION
+    """humaneval scorer: how generated programs are contained (specops/train/sandbox.py): 'namespaces' (needs
+    root and user namespaces; refused with the reason where missing) or 'none' (limits and a private workdir
+    only, so a program could fake its verdict)."""
     out: str = "metrics/lossy.json"
     """The metrics file."""
     plot: str = "metrics/plots/lossy_speed_quality.png"
@@ -133,7 +138,7 @@ def lossy_eval(cfg: LossyEvalConfig, target: Target, prompts_file: Path, draft_d
     oracle = _oracle(cfg, target, lossy, oracle_margin) if cfg.oracle else None
     methods = build_methods(cfg, target, draft_model, lossy, oracle)
     prompts = [encode_prompt(target.tokenizer, row["messages"]) for row in rows]
-    ctx = ScoringContext(target=target, timeout_s=cfg.timeout_s)
+    ctx = ScoringContext(target=target, timeout_s=cfg.timeout_s, isolation=cfg.sandbox_isolation)
     scorers = [reply_scorer(cfg.scorer, row, ids, target.tokenizer, ctx) for row, ids in zip(rows, prompts, strict=True)]
     with torch.inference_mode():
         for name, run in methods.items():

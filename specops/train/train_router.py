@@ -31,6 +31,7 @@ from specops.lossy.router import RouterConfig
 from specops.train.mine_arbitrage import StepOracle, mine_steps
 from specops.train.mine_autojudge import mine_mismatches
 from specops.train.router_fit import choose_threshold, fit_router, in_holdout, threshold_sweep
+from specops.train.sandbox import DEFAULT_ISOLATION
 from specops.train.scorers import (
     DEFAULT_SCORER,
     REQUIRED_FIELDS,
@@ -77,6 +78,10 @@ class TrainRouterConfig:
     """The default threshold is the largest accepting at most this share of the holdout's harmful cases."""
     timeout_s: float = 5.0
     """humaneval scorer: wall-clock limit per program run."""
+    sandbox_isolation: str = DEFAULT_ISOLATION
+    """humaneval scorer: how generated programs are contained (specops/train/sandbox.py): 'namespaces' (needs
+    root and user namespaces; refused with the reason where missing) or 'none' (limits and a private workdir
+    only, so a program could fake its verdict)."""
     out_dir: str = "models/router"
     """Router folders, one per mode."""
     mined_dir: str = "data/router"
@@ -129,7 +134,7 @@ def train_router(cfg: TrainRouterConfig, target: Target, prompts_file: Path, dra
     draft_model, vocab = load_draft(draft_dir, target.model.dtype)
     rows = read_rows(prompts_file, cfg.scorer, cfg.max_prompts)
     tokenizer, eos = target.tokenizer, target.eos_token_ids
-    ctx = ScoringContext(target=target, timeout_s=cfg.timeout_s)
+    ctx = ScoringContext(target=target, timeout_s=cfg.timeout_s, isolation=cfg.sandbox_isolation)
     target_lm, draft_lm = GreedyLM(target.model), GreedyLM(draft_model, vocab)
     oracle = StepOracle(target_lm, boundary_ids(tokenizer, cfg.step_delimiter), eos, cfg.max_new_tokens,
                         cfg.max_step_tokens, cfg.margin)

