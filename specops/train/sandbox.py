@@ -16,8 +16,10 @@ pivot_root), SandboxUnavailable is raised with what failed:
   - new user, mount, PID, network, IPC and UTS namespaces;
   - the program runs as uid 65534 outside (1 inside) with no capabilities and no_new_privs;
   - its root is an empty read-only tmpfs holding read-only binds of /usr (and /bin, /lib... where they are
-    not links into it), /etc/ld.so.cache and this Python, and a private 16 MiB tmpfs at /tmp, its working
-    directory; no /proc, /sys or /dev: nothing else of the host can be read, and nothing outside /tmp written;
+    not links into it), /etc/ld.so.cache and this Python, and a private 16 MiB tmpfs at WORKDIR, its working
+    directory and TMPDIR (not /tmp, where this Python may live: a checkout or venv under /tmp is bound
+    read-only like any other); no /proc, /sys or /dev: nothing else of the host can be read, and nothing
+    outside WORKDIR written;
   - it is PID 1 of its own PID namespace, so killing it kills every process it started, setsid or not,
     and RLIMIT_NPROC caps its processes and threads at MAX_TASKS;
   - its network namespace is empty (a loopback that is down), whatever socket API it uses.
@@ -51,6 +53,7 @@ DEFAULT_ISOLATION = "namespaces"
 SANDBOX_UID = 65534  # nobody: owns no file, so even a writable mount would refuse the program
 MAX_TASKS = 16  # RLIMIT_NPROC: the program's processes and threads, its launcher included
 TMP_BYTES = 16 << 20
+WORKDIR = "/sandbox"  # the program's only writable directory, inside its root
 ANSWER_LIMIT = 64 << 10  # bytes of one answer: more fails the program, and bounds our work parsing it
 TOP_LEVEL = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr on merged-/usr systems
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}  # a fixed seed: set orders repeat
@@ -109,15 +112,15 @@ def isolate(cfg):
         bind_read_only(path, root)
     for link, target in cfg["links"].items():
         os.symlink(target, root + link)
-    os.mkdir(root + "/tmp")
-    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_bytes']},mode=1777")
+    os.mkdir(root + cfg["workdir"])
+    mount("tmpfs", root + cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_bytes']},mode=1777")
     if SYS_PIVOT_ROOT is None:
         raise OSError(f"pivot_root: no syscall number known for {os.uname().machine}")
     os.chdir(root)
     ok(syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
     ok(libc.umount2(b".", MNT_DETACH), "detach the old root")
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.chdir("/tmp")
+    os.chdir(cfg["workdir"])
 
 def confine(cfg):
     limits = [(resource.RLIMIT_CPU, cfg["cpu_s"]), (resource.RLIMIT_AS, cfg["memory_bytes"]),
@@ -206,7 +209,7 @@ def check_program(program: str, entry_point: str, test: str, timeout_s: float = 
         # -s: no user site. Not -I, whose -E would ignore PYTHONHASHSEED; the environment is ours anyway.
         command = [sys.executable, "-s", "-c", _CHILD]
         with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              cwd=workdir, env=ENV, start_new_session=True) as process:
+                              cwd=workdir, env=_environment(isolation, workdir), start_new_session=True) as process:
             child = _Child(process, deadline=time.monotonic() + timeout_s)
             try:
                 _start(child, _config(isolation, workdir, timeout_s, memory_mb))
@@ -217,10 +220,16 @@ def check_program(program: str, entry_point: str, test: str, timeout_s: float = 
                 child.kill()
 
 
+def _environment(isolation: str, workdir: str) -> dict[str, str]:
+    """ENV, with temporary files and HOME in the program's writable directory."""
+    private = WORKDIR if isolation == "namespaces" else workdir
+    return {**ENV, "TMPDIR": private, "HOME": private}
+
+
 def _config(isolation: str, workdir: str, timeout_s: float, memory_mb: int) -> dict[str, Any]:
     return {"isolate": isolation == "namespaces", "root": workdir, "read_only": _read_only_paths(),
             "links": {path: os.readlink(path) for path in TOP_LEVEL if os.path.islink(path)},
-            "tmp_bytes": TMP_BYTES, "max_tasks": MAX_TASKS, "cpu_s": int(timeout_s) + 1,
+            "tmp_bytes": TMP_BYTES, "workdir": WORKDIR, "max_tasks": MAX_TASKS, "cpu_s": int(timeout_s) + 1,
             "memory_bytes": memory_mb << 20}
 
 

@@ -23,6 +23,7 @@ from specops.train.sandbox import (
     MAX_TASKS,
     PASSED,
     TIMED_OUT,
+    WORKDIR,
     SandboxResult,
     SandboxUnavailable,
     check_program,
@@ -89,7 +90,7 @@ def test_writes_outside_the_private_workdir_do_not_land(tmp_path):
                "            pass\n"
                "    open('note.txt', 'w').write('private')\n"
                "    return open('note.txt').read(), os.getcwd()\n")
-    test = f"def check(candidate):\n    assert candidate({[str(kept), *fresh]!r}) == ('private', '/tmp')\n"
+    test = f"def check(candidate):\n    assert candidate({[str(kept), *fresh]!r}) == ('private', {WORKDIR!r})\n"
     assert run(program, test) == SandboxResult(PASSED)  # the writes were tried, and the workdir is writable
     assert kept.read_text() == "keep"
     assert not [path for path in fresh if Path(path).exists()]
@@ -119,7 +120,7 @@ def test_host_files_and_environments_cannot_be_read(tmp_path, monkeypatch):
                "            seen.append(type(error).__name__)\n"
                "    return seen\n")
     test = (f"def check(candidate):\n    seen = candidate({paths!r})\n"
-            f"    assert {token!r} not in repr(seen), seen\n    assert seen[0] == {sorted(ENV)!r}, seen[0]\n")
+            f"    assert {token!r} not in repr(seen), seen\n    assert seen[0] == {sorted({*ENV, 'HOME', 'TMPDIR'})!r}, seen[0]\n")
     assert run(program, test) == SandboxResult(PASSED)
     leaked = run(f"raise RuntimeError(open({str(secret)!r}).read())\n")  # the error detail comes back to us
     assert leaked.status == FAILED and token not in leaked.detail
