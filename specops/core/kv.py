@@ -164,10 +164,15 @@ class StaticLM:
             raise ValueError(f"The static runtime needs a pass width >= 1, got {width}.")
         self.width = width
         self.max_length = max_length
-        self.eager, self.step = llama_forward(model, hidden_layers, compiled)
-        self.compiled = compiled
+        self.eager, self.step = llama_forward(model, compiled)
+        self.hidden_layers = hidden_layers
         self.keys, self.values = self.eager.new_cache(max_length)
         self.tables = self.eager.tables(max_length)
+        if compiled:  # one compiled graph serves every cache length: a new length must not recompile
+            for t in (*self.keys, *self.values):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for t in self.tables:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         self.features: torch.Tensor | None = None
         self.length = 0  # committed tokens in the cache; slots past it are stale
 
@@ -178,14 +183,8 @@ class StaticLM:
             raise ValueError(f"The static cache holds {self.max_length} tokens; a pass at {start} of {rows} "
                              "rows does not fit (size it with static_cache_length).")
         ids = torch.tensor(token_ids + [0] * (rows - len(token_ids)))
-        if forward is not self.eager:
-            # One compiled graph serves every cache length: a new length must not recompile.
-            for t in (*self.keys, *self.values):
-                torch._dynamo.maybe_mark_dynamic(t, 1)
-            for t in self.tables:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(self.tables[2], 1)
-        logits, self.features = forward(ids, torch.arange(start, start + rows), self.keys, self.values, *self.tables)
+        logits, layers = forward(ids, torch.arange(start, start + rows), self.keys, self.values, *self.tables)
+        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
         self.length = start + len(token_ids)
         return logits
 

@@ -6,8 +6,8 @@ of which the matrix products streaming the weights were about 25. Here one pass 
 few elementwise ops per layer, in the spirit of gpt-fast: q, k and v come from one fused product, gate
 and up from another, the rotary tables are built once per cache, keys and values are written in place.
 
-Compiled (`compiled=True`), inductor freezes the weights, packs them for its own small-batch GEMM
-(max-autotune's CPP template) and fuses the elementwise ops: the same pass took about 18 ms
+Compiled (`compiled=True`), inductor freezes the weights, autotunes each product (its C++ GEMM template
+against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same pass took 14-19 ms
 (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
 SDPA with a boolean mask), so eager logits match its forward; compiled ones differ by kernel rounding,
 the same for every pass of the same shape, which is what batch invariance needs (specops.core.kv).
@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-# max-autotune's CPP GEMM template reads a weight once for all of a pass's rows (F.linear and oneDNN
-# stream it at ~10 GB/s on this CPU; the template at ~25, the machine's bandwidth); freezing lets
-# inductor pack the weights for it once.
+# Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU; the products inductor picks under
+# max-autotune (its CPP GEMM template or ATen's mm on frozen weights) reach ~24, the machine's bandwidth.
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -33,7 +32,8 @@ class UnsupportedModelError(ValueError):
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.detach().clone(), requires_grad=False)
+    """The model's own storage where it is used as is: a second copy of the target would double its memory."""
+    return nn.Parameter(t.detach(), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,9 +51,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LlamaForward(nn.Module):
     """A Llama model's decoder as one function of (tokens, positions, cache): the weights are copied in
     fused, the cache is passed in as per-layer tensors (one tensor per layer keeps inductor's in-place
-    writes local: a view of one big cache made it copy the whole cache per layer)."""
+    writes local: a view of one big cache made it copy the whole cache per layer). Every layer's output
+    comes back, so plain decoding and drafters that read some layers (aligned heads) run one graph."""
 
-    def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] | None = None) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         cfg = model.config
         if cfg.model_type != "llama":
@@ -71,7 +72,6 @@ class LlamaForward(nn.Module):
         self.eps = float(cfg.rms_norm_eps)
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scaling = float(rotary.attention_scaling)
-        self.hidden_layers = hidden_layers
         layers = model.model.layers
         self.qkv = nn.ParameterList(_frozen(torch.cat([a.self_attn.q_proj.weight, a.self_attn.k_proj.weight,
                                                        a.self_attn.v_proj.weight])) for a in layers)
@@ -96,22 +96,22 @@ class LlamaForward(nn.Module):
         return ([torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)],
                 [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)])
 
-    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cos and sin [length, head_dim] for positions 0..length-1 (as transformers computes them per
-        pass), and causal visibility [position, slot]."""
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, head_dim] for positions 0..length-1, as transformers computes them per pass."""
         freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        slots = torch.arange(length)
-        return ((emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype),
-                slots[None, :] <= slots[:, None])
+        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def visibility(self, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """Causal visibility [n, length]: a row sees the cache slots up to its own position."""
+        return torch.arange(length)[None, :] <= pos[:, None]
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `ids` [n] at positions `pos` [n] (also their cache slots), each seeing the slots up to
-        its own. Writes their keys and values; returns logits [n, V] and, with hidden_layers, those
-        layers' outputs [n, L, H]."""
+        its own. Writes their keys and values; returns logits [n, V] and every layer's output [n, L, H]."""
         n = ids.shape[0]
-        cos, sin, mask = cos[pos], sin[pos], visible[pos]
+        cos, sin, mask = cos[pos], sin[pos], self.visibility(pos, keys[0].shape[1])
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         x = F.embedding(ids, self.embed)
         captured = []
@@ -128,8 +128,7 @@ class LlamaForward(nn.Module):
             gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[i])
             captured.append(x)
-        features = None if self.hidden_layers is None else torch.stack([captured[i] for i in self.hidden_layers], 1)
-        return F.linear(rms_norm(x, self.norm, self.eps), self.head), features
+        return F.linear(rms_norm(x, self.norm, self.eps), self.head), torch.stack(captured, 1)
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()
@@ -140,21 +139,17 @@ def _weights_version(model: PreTrainedModel) -> tuple[int, ...]:
     return tuple(p._version for p in model.parameters())
 
 
-def llama_forward(model: PreTrainedModel, hidden_layers: list[int] | None = None,
-                  compiled: bool = False) -> tuple[LlamaForward, nn.Module]:
+def llama_forward(model: PreTrainedModel, compiled: bool = False) -> tuple[LlamaForward, nn.Module]:
     """The lean forward for `model` (eager) and the one its fixed-width passes run (compiled or the same
-    eager module), built once per model and layer set: compiling takes a minute or two, once a process."""
+    eager module), built once per model: compiling takes a minute or two, once a process, and every
+    caller (plain decoding, feature-reading drafters) shares the one graph, so they round alike."""
     version = _weights_version(model)
     entry = _FORWARDS.get(model)
     if entry is None or entry["version"] != version:
-        entry = {"version": version}
+        entry = {"version": version, "eager": LlamaForward(model).eval()}
         _FORWARDS[model] = entry
-    key = tuple(hidden_layers) if hidden_layers is not None else None
-    if key not in entry:
-        entry[key] = LlamaForward(model, key).eval()
-    eager = entry[key]
     if not compiled:
-        return eager, eager
-    if ("compiled", key) not in entry:
-        entry[("compiled", key)] = torch.compile(eager, options=INDUCTOR_OPTIONS)
-    return eager, entry[("compiled", key)]
+        return entry["eager"], entry["eager"]
+    if "compiled" not in entry:
+        entry["compiled"] = torch.compile(entry["eager"], options=INDUCTOR_OPTIONS)
+    return entry["eager"], entry["compiled"]

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from specops.core.loop import SpeculativeGenerator
 from specops.core.policies import HEAD_POLICIES
 from specops.core.target import Target, encode_prompt
-from specops.core.types import GenerationStats
+from specops.core.types import DEFAULT_PREFILL_CHUNK, GenerationStats
 from specops.drafters.factory import build_drafter, build_policy
 from specops.drafters.kinds import DEFAULT_DRAFT_TOKENS, DecodingConfig, MethodSpec
 
@@ -50,6 +50,7 @@ class BenchConfig:
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
     static_width: int = 0  # our methods on the static runtime with passes this wide (DecodingConfig.static_width)
     compiled: bool = False  # the static runtime's passes through torch.compile (DecodingConfig.compiled)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill pass (DecodingConfig.prefill_chunk)
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
 
 
@@ -78,7 +79,8 @@ def build_methods(target: Target, cfg: BenchConfig,
     methods: dict[str, Method] = {BASELINE: _hf_method(target, m),
                                   PLAIN: _our_method(SpeculativeGenerator(target, None, "greedy", 0,
                                                                           static_width=cfg.static_width,
-                                                                          compiled=cfg.compiled), m)}
+                                                                          compiled=cfg.compiled,
+                                                                          prefill_chunk=cfg.prefill_chunk), m)}
     if cfg.hf_prompt_lookup_tokens:
         methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
     if cfg.draft_model and cfg.hf_assisted:
@@ -87,7 +89,8 @@ def build_methods(target: Target, cfg: BenchConfig,
         method = MethodSpec.parse(spec)
         # replace() re-checks the config: trees are refused on the static runtime here, before any model loads.
         config = method.decoding(DecodingConfig(drafter="none", verifier="greedy", draft_tokens=cfg.draft_tokens,
-                                                static_width=cfg.static_width, compiled=cfg.compiled))
+                                                static_width=cfg.static_width, compiled=cfg.compiled,
+                                                prefill_chunk=cfg.prefill_chunk))
         if cfg.stop_threshold is not None:
             config.stop_threshold = cfg.stop_threshold
         head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
@@ -95,7 +98,7 @@ def build_methods(target: Target, cfg: BenchConfig,
         drafter = build_drafter(method.kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)
         generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width,
-                                         config.compiled)
+                                         config.compiled, config.prefill_chunk)
         methods[spec] = _our_method(generator, m)
     for name, generator in (extra or {}).items():
         methods[name] = _our_method(generator, m)

@@ -33,7 +33,7 @@ def evaluate_slices(target: Target, slices: dict[str, list[list[int]]], max_new_
         # Plain decoding runs on the challenger's runtime: the one whose losslessness the gate checks.
         bench = BenchConfig(dataset=f"osd:{name}", n=len(prompts), max_new_tokens=max_new_tokens, drafters=[],
                             hf_assisted=False, hf_prompt_lookup_tokens=0, static_width=challenger.static_width,
-                            compiled=challenger.compiled)
+                            compiled=challenger.compiled, prefill_chunk=challenger.prefill_chunk)
         methods = run_benchmark_ids(target, prompts, bench, {CHAMPION: champion, CHALLENGER: challenger})["methods"]
         report[name] = {"prompts": len(prompts), CHAMPION: snapshot(methods, CHAMPION),
                         CHALLENGER: snapshot(methods, CHALLENGER), "methods": methods}

@@ -12,9 +12,10 @@ specops.server.feedback.export_after).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from specops.core.durable import write_text_durably
 
 
 class WatermarkError(RuntimeError):
@@ -59,14 +60,4 @@ def write_watermark(path: Path | str, watermark: Watermark) -> None:
     """Replace the file atomically and durably (see the module docstring)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps(asdict(watermark), indent=2) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself survives a power cut only once its directory is synced
-    finally:
-        os.close(folder)
+    write_text_durably(path, json.dumps(asdict(watermark), indent=2) + "\n")

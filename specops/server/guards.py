@@ -15,7 +15,7 @@ from collections.abc import Collection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specops.server.config import LOOPBACK_NAMES
+from specops.server.config import LOOPBACK_NAMES, is_loopback
 from specops.server.metrics import ServerMetrics
 from specops.server.protocol import error_body
 
@@ -108,7 +108,7 @@ class LoopbackHosts:
         host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
         name, port = _split_host(host)
         server = scope.get("server")
-        if name not in LOOPBACK_NAMES or (port and (server is None or port != str(server[1]))):
+        if not is_loopback(name.strip("[]")) or (port and (server is None or port != str(server[1]))):
             await _send_error(scope, receive, send, 400, f"Invalid Host header '{host}': this server has no API key, "
                               f"so it answers only requests addressed to {', '.join(LOOPBACK_NAMES)} and its port.",
                               "invalid_request_error", "invalid_host")

@@ -68,13 +68,7 @@ def test_a_rejection_rewinds_the_cache():
 
 def test_rows_that_see_stale_slots_differ(monkeypatch):
     """The causal visibility is what hides padding rows and rejected drafts: without it rows differ."""
-    original = LlamaForward.tables
-
-    def see_everything(self, length):
-        cos, sin, visible = original(self, length)
-        return cos, sin, torch.ones_like(visible)
-
-    monkeypatch.setattr(LlamaForward, "tables", see_everything)
+    monkeypatch.setattr(LlamaForward, "visibility", lambda self, pos, length: torch.ones(len(pos), length, dtype=torch.bool))
     assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
 
 

@@ -163,7 +163,9 @@ def test_a_keyless_server_refuses_a_network_host(monkeypatch):
 
 def test_a_keyless_loopback_server_answers_only_loopback_host_names(guarded):
     port = guarded.url.rsplit(":", 1)[1]
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost", f"LOCALHOST:{port}"):
+    # Every loopback address a keyless server may listen on (ServerConfig's is_loopback), not three names only.
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost", f"LOCALHOST:{port}",
+                 f"127.0.0.2:{port}"):
         assert httpx.get(guarded.url + "/v1/models", headers={"Host": host}).status_code == 200, host
     for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}", "127.0.0.1:1"):
         response = httpx.get(guarded.url + "/v1/models", headers={"Host": host})
