@@ -1,14 +1,16 @@
 """The OpenAI wire format: request bodies, error objects, responses and stream chunks.
 
-Request models are strict: unknown fields and wrong types are a 400 (the official client only
-sends what it is given, so this refuses typos rather than silently ignoring them). Fields whose
-feature is not implemented here (n > 1, penalties, logit_bias) are accepted only at their neutral
-value, because common client libraries send those defaults explicitly. `user` and a message's
-`name` are accepted and ignored.
+Wrong types are a 400. Unknown top-level request fields are accepted and ignored, with a warning logged
+once per field name, as vLLM does: agent frameworks (LangChain and others) send fields of their own. OpenAI
+fields whose feature is not implemented here (logprobs, echo, tools, response_format, ...) are a 400 that
+names the feature when they ask for it, never silently dropped; n > 1, penalties and logit_bias are
+accepted only at their neutral value, because common client libraries send those defaults explicitly.
+`user` and a message's `name` are accepted and ignored; inside a message, unknown fields are still a 400.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -23,6 +25,15 @@ NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 # Below it, logits / temperature can overflow (5e-324 makes every probability NaN), and the distribution is
 # greedy's in all but rounding anyway; vLLM raises smaller temperatures to the same value.
 MIN_TEMPERATURE = 0.01
+# OpenAI request fields whose feature this server does not implement: asking for one (any value but null,
+# false or empty) is a 400 naming it, since ignoring it would answer a different question.
+UNSUPPORTED = {"logprobs": "log-probabilities (logprobs)", "top_logprobs": "log-probabilities (top_logprobs)",
+               "echo": "echoing the prompt (echo)", "suffix": "insertion (suffix)",
+               "response_format": "structured output (response_format)", "tools": "tool calling (tools)",
+               "tool_choice": "tool calling (tool_choice)", "functions": "function calling (functions)",
+               "function_call": "function calling (function_call)"}
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # unknown field names already logged: once each, not once per request
 
 
 class ApiError(Exception):
@@ -91,6 +102,23 @@ class SamplingFields(StrictModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # unknown top-level fields: see the module docstring
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_features(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, feature in UNSUPPORTED.items():
+            if data.get(name) not in (None, False, [], {}):
+                raise ApiError(400, f"This server does not support {feature}.", param=name,
+                               code="unsupported_feature")
+        for name in sorted(set(data) - set(cls.model_fields) - set(UNSUPPORTED) - _warned):
+            if isinstance(name, str) and name.isprintable() and len(name) <= 64:  # a client's field, not junk
+                _warned.add(name)
+                log.warning("Ignoring the unknown request field '%s' (logged once).", name)
+        return data
 
     @model_validator(mode="before")
     @classmethod

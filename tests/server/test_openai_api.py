@@ -116,7 +116,11 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "w1", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     (COMPLETIONS, {"prompt": "w1", "seed": 2**70}, 400, "seed"),
     (COMPLETIONS, {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    (COMPLETIONS, {"prompt": "w1", "logprobs": 3}, 400, "logprobs"),  # unknown field
+    (COMPLETIONS, {"prompt": "w1", "logprobs": 3}, 400, "logprobs"),  # asked for, not implemented
+    (COMPLETIONS, {"prompt": "w1", "echo": True}, 400, "echo"),
+    (CHAT, {"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT, {"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 400, "tools"),
     (COMPLETIONS, {"prompt": "w1", "model": "gpt-4o"}, 404, "model"),
     (COMPLETIONS, {"prompt": LONG_PROMPT}, 400, "prompt"),
     (CHAT, {"messages": []}, 400, "messages"),
@@ -186,3 +190,19 @@ def test_health_ready_and_metrics(shared_server):
     assert metric(text, "specops_time_to_first_token_seconds_count") >= 1
     assert "specops_queue_depth 0.0" in text
     assert metric(text, "specops_bundle_info", 'drafter="recycling",model_version="none",version="none"') == 1
+
+
+def test_unknown_fields_are_ignored_and_logged_once(shared_server, caplog):
+    """Agent frameworks send fields of their own: accepted (as vLLM does), each named once in the log; the
+    official client's extra_body reaches the server the same way."""
+    body = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2, "temperature": 0,
+            "specops_test_tag": "x", "logprobs": False, "tools": []}
+    with caplog.at_level("WARNING", logger="specops.server.protocol"):
+        for _ in range(2):
+            response = httpx.post(shared_server.url + CHAT, json=body, timeout=30)
+            assert response.status_code == 200, response.text
+        reply = client(shared_server.url).chat.completions.create(
+            model="specops", messages=[{"role": "user", "content": "w1 w2"}], max_tokens=2, temperature=0,
+            extra_body={"specops_test_tag": "x"})
+    assert reply.choices[0].message.content == response.json()["choices"][0]["message"]["content"]
+    assert sum("specops_test_tag" in record.getMessage() for record in caplog.records) == 1
