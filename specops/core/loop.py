@@ -18,6 +18,7 @@ from specops.core.types import (
     Generation,
     GenerationStats,
     SamplingParams,
+    check_runtime,
 )
 from specops.core.verify import VERIFIERS, verify_tree
 
@@ -83,12 +84,7 @@ class SpeculativeGenerator:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
             raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
-        if static_width < 0:
-            raise ValueError(f"static_width must be >= 0 (0: the dynamic runtime), got {static_width}")
-        if compiled and not static_width:
-            raise ValueError("compiled runs the static runtime: give a static_width > 0")
-        if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {prefill_chunk}")
+        check_runtime(static_width, compiled, prefill_chunk)
         policy = policy if policy is not None else FixedPolicy(draft_tokens)
         if policy.stop is not None and (drafter is None or not drafter.predicts_acceptance):
             raise ValueError(f"The '{policy.name}' policy stops drafts on an acceptance head's predictions: it needs "

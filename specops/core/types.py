@@ -11,6 +11,16 @@ DEFAULT_DRAFT_TOKENS = 6
 DEFAULT_PREFILL_CHUNK = 512
 
 
+def check_runtime(static_width: int, compiled: bool, prefill_chunk: int) -> None:
+    """The target runtime's settings, checked where a config is built and where a generator is."""
+    if static_width < 0:
+        raise ValueError(f"static_width must be >= 0 (0: the dynamic runtime), got {static_width}.")
+    if compiled and not static_width:
+        raise ValueError("compiled runs the static runtime: set static_width > 0 too.")
+    if prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {prefill_chunk}.")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. temperature 0 means greedy; the same transform is applied to p and q."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specops.core.policies import POLICIES
-from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
+from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, check_runtime
 
 Weights = Literal["draft_lm", "aligned_head"]  # the weights folder a kind loads (a bundle's drafter/)
 
@@ -94,12 +94,7 @@ class DecodingConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
-        if self.static_width < 0:
-            raise ValueError(f"static_width must be >= 0, got {self.static_width}.")
-        if self.prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {self.prefill_chunk}.")
-        if self.compiled and not self.static_width:
-            raise ValueError("compiled runs the static runtime: set static_width > 0 too.")
+        check_runtime(self.static_width, self.compiled, self.prefill_chunk)
         if self.static_width and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:
             raise ValueError(f"The static runtime verifies chains only; '{self.drafter}' drafts trees "
                              "(their rows would read ancestors at scattered cache slots). Use static_width 0.")

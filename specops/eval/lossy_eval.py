@@ -176,13 +176,14 @@ def _report(cfg: LossyEvalConfig, target: Target, replies: dict[str, list[list[i
 
     def point(name: str, threshold: float) -> dict[str, Any]:
         s = stats[name]
+        # Also the gate's lossless flag (identical_to_plain): HF greedy is our plain decoding's output on this
+        # runtime (the target's dtype, dynamic cache, prompts within one prefill chunk), as
+        # tests/core/test_greedy_equality.py checks.
+        same = replies[name] == reference
         return {"threshold": threshold, "speedup_vs_ar": round(tps[name] / tps[AR], 4),
                 "speedup_vs_lossless": round(tps[name] / tps[LOSSLESS], 4), "quality": round(quality[name], 4),
                 "quality_drop": round(quality[LOSSLESS] - quality[name], 4), "scorer": cfg.scorer,
-                "identical_to_ar": replies[name] == reference,
-                # The gate's lossless flag: HF greedy is our plain decoding's output on this runtime (the
-                # target's dtype, dynamic cache), as tests/core/test_greedy_equality.py checks.
-                "identical_to_plain": replies[name] == reference,
+                "identical_to_ar": same, "identical_to_plain": same,
                 "mean_accepted_length": round(s.mean_accepted_length, 4) if s.steps else None,
                 "lossy_accepted": s.lossy_accepted}
 

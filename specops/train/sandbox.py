@@ -196,12 +196,16 @@ class SandboxResult:
         return self.status == PASSED
 
 
+def check_isolation(isolation: str) -> None:
+    if isolation not in ISOLATION_LEVELS:
+        raise ValueError(f"Unknown sandbox isolation '{isolation}'. Choose one of: {', '.join(ISOLATION_LEVELS)}.")
+
+
 def check_program(program: str, entry_point: str, test: str, timeout_s: float = 5.0, memory_mb: int = 1024,
                   isolation: str = DEFAULT_ISOLATION) -> SandboxResult:
     """PASSED if `check(candidate)`, defined by the trusted `test` code, returns here within timeout_s, with
     `candidate` calling the function `entry_point` of the untrusted `program` in the sandbox."""
-    if isolation not in ISOLATION_LEVELS:
-        raise ValueError(f"Unknown sandbox isolation '{isolation}'. Choose one of: {', '.join(ISOLATION_LEVELS)}.")
+    check_isolation(isolation)
     if isolation == "namespaces" and os.geteuid() != 0:
         raise SandboxUnavailable(f"isolation='namespaces' needs root, to map the program to uid {SANDBOX_UID}; "
                                  "isolation='none' runs it uncontained.")

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specops.core.target import Target
-from specops.train.sandbox import DEFAULT_ISOLATION, ISOLATION_LEVELS, check_program
+from specops.train.sandbox import DEFAULT_ISOLATION, check_isolation, check_program
 
 DEFAULT_SCORER = "target_likelihood"
 
@@ -47,8 +47,7 @@ class ScoringContext:
     cache: dict[tuple[int, ...], float] = field(default_factory=dict)  # mean log-probs already computed
 
     def __post_init__(self) -> None:  # refused before any rollout is spent, not at the first program
-        if self.isolation not in ISOLATION_LEVELS:
-            raise ValueError(f"Unknown sandbox isolation '{self.isolation}'. Choose one of: {', '.join(ISOLATION_LEVELS)}.")
+        check_isolation(self.isolation)
 
 
 Scorer = Callable[[Response, ScoringContext], float]
