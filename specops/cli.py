@@ -111,23 +111,41 @@ def cmd_stage(args: argparse.Namespace) -> None:
     run_stage(args.name, args.params, given)
 
 
+def _export_source(args: argparse.Namespace) -> tuple[str, str, str, int]:
+    """(head folder, target source, target dtype, default draft tokens) of `specops export`'s source."""
+    from specops.core.target import DEFAULT_TARGET
+    from specops.drafters.aligned_head.model import CONFIG_FILE
+    from specops.server.bundle import MANIFEST, load_bundle
+
+    source = args.source
+    if os.path.isfile(os.path.join(source, MANIFEST)):
+        if args.target is not None:
+            raise UserError("--target is for a head folder: a bundle names its own target")
+        bundle = load_bundle(source)
+        if DRAFTERS[bundle.drafter_kind].weights != "aligned_head" or bundle.drafter_dir is None:
+            raise UserError(f"Bundle {source} holds a '{bundle.drafter_kind}' drafter; only aligned heads "
+                            f"({', '.join(ALIGNED_KINDS)}) export to EAGLE-3 engines.")
+        draft_tokens = DecodingConfig.from_serving(bundle.serving).draft_tokens
+        return str(bundle.drafter_dir), bundle.target_source, bundle.target_dtype, draft_tokens
+    if os.path.isfile(os.path.join(source, CONFIG_FILE)):
+        return source, args.target or DEFAULT_TARGET, "float32", DecodingConfig.draft_tokens
+    raise UserError(f"{source} is neither a bundle ({MANIFEST}) nor an aligned head folder ({CONFIG_FILE}, "
+                    "e.g. models/aligned_head)")
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from specops.core.target import load_target
-    from specops.drafters.aligned_head.export import ExportError, export_head, verifier_for
-    from specops.drafters.aligned_head.model import load_head, read_head_config
-    from specops.server.bundle import load_bundle
+    from specops.drafters.aligned_head.export import check_exportable, export_head, verifier_for
+    from specops.drafters.aligned_head.model import load_head
 
-    bundle = load_bundle(args.bundle)
-    if DRAFTERS[bundle.drafter_kind].weights != "aligned_head" or bundle.drafter_dir is None:
-        raise ExportError(f"Bundle {args.bundle} holds a '{bundle.drafter_kind}' drafter; only aligned heads "
-                          f"({', '.join(ALIGNED_KINDS)}) export to EAGLE-3 engines.")
-    lm_head = None
-    if read_head_config(bundle.drafter_dir).draft_vocab_size is None:
-        # A head without its own draft vocabulary drafts through the target's LM head; engines need a copy.
-        lm_head = load_target(bundle.target_source, bundle.target_dtype).model.get_output_embeddings().weight
-    tokens = DecodingConfig.from_serving(bundle.serving).draft_tokens  # the bundle's draft length
-    out = export_head(load_head(bundle.drafter_dir), args.out, args.format,
-                      verifier_for(bundle.target_source, args.verifier), tokens, lm_head, args.overwrite)
+    head_dir, target, dtype, draft_tokens = _export_source(args)
+    head = load_head(head_dir)
+    check_exportable(head)  # before loading a target for its LM head
+    # A head without its own draft vocabulary drafts through the target's LM head; engines need a copy.
+    lm_head = None if head.lm_head is not None else load_target(target, dtype).model.get_output_embeddings().weight
+    tokens = draft_tokens if args.draft_tokens is None else args.draft_tokens
+    out = export_head(head, args.out, args.format, verifier_for(target, args.verifier), tokens, lm_head,
+                      args.overwrite)
     print(f"wrote {out} ({args.format}); serve it as docs/export.md shows")
 
 
@@ -222,15 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_retrain(sub)
 
-    export = sub.add_parser("export", help="export a bundle's aligned head for vLLM or SGLang",
-                            description="Write an aligned head bundle in an EAGLE-3 layout that vLLM (vllm-speculators) "
-                                        "or SGLang (sglang) serves; see docs/export.md.")
-    export.add_argument("--format", required=True, choices=["vllm-speculators", "sglang"])
-    export.add_argument("bundle", help="a bundle folder whose drafter is aligned_head or aligned_head_tree")
-    export.add_argument("out", help="the folder to write (config.json + model.safetensors)")
+    export = sub.add_parser("export", help="export a trained aligned head for vLLM or SGLang",
+                            description="Write a trained aligned head in an EAGLE-3 layout: a speculators checkpoint "
+                                        "that vLLM serves and speculators loads (vllm-speculators), or SGLang's "
+                                        "(sglang). Only plain EAGLE-3 heads export (train_aligned.token_guided_fusion "
+                                        "and train_aligned.token_enhanced_head false); see docs/export.md.")
+    export.add_argument("source", help="an aligned head folder (train_aligned's out_dir, e.g. models/aligned_head) "
+                        "or a bundle whose drafter is aligned_head or aligned_head_tree")
+    export.add_argument("--format", required=True, choices=["vllm-speculators", "sglang"],
+                        help="vllm-speculators: a speculators checkpoint (vLLM, speculators); sglang: SGLang's layout")
+    export.add_argument("--out", required=True, help="the folder to write (config.json + model.safetensors)")
     export.add_argument("--verifier", help="the target as the engine loads it: an HF id or folder (default: "
-                        "HuggingFaceTB/SmolLM2-135M-Instruct for smollm2, else the bundle's target folder)")
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT folder")
+                        "HuggingFaceTB/SmolLM2-135M-Instruct for smollm2, else the target's folder)")
+    export.add_argument("--target", help="a head folder's target (default: smollm2): it names the default "
+                        "--verifier and lends its LM head to a head without a draft vocabulary; a bundle names its own")
+    export.add_argument("--draft-tokens", type=int, help="speculative tokens per step in the config (default: the "
+                        f"bundle's serving draft_tokens; for a head folder, {DEFAULT_DRAFT_TOKENS})")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     export.set_defaults(func=cmd_export)
     return parser
 

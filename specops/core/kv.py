@@ -6,9 +6,16 @@ prefix is never recomputed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+
+from specops.core.llama import Segment
+
+if TYPE_CHECKING:  # batching imports the cost model, which imports this module
+    from specops.core.batching import PassBatcher
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +164,9 @@ class StaticLM:
     """
 
     def __init__(self, model: PreTrainedModel, width: int, max_length: int,
-                 hidden_layers: list[int] | None = None, compiled: bool = False) -> None:
+                 hidden_layers: list[int] | None = None, compiled: bool = False,
+                 batcher: PassBatcher | None = None) -> None:
+        """`batcher` runs the fixed-width passes batched with other sequences' (specops.core.batching)."""
         from specops.core.llama import llama_forward
 
         if width < 1:
@@ -173,17 +182,26 @@ class StaticLM:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             for t in self.tables:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        if batcher is not None and (compiled or batcher.forward is not self.eager):
+            raise ValueError("A batcher runs the eager passes of its own target's forward.")
+        self.batcher = batcher
         self.features: torch.Tensor | None = None
         self.length = 0  # committed tokens in the cache; slots past it are stale
 
-    def _run(self, token_ids: list[int], rows: int, forward: nn.Module) -> torch.Tensor:
-        """One pass writing `token_ids` at slots length.. (padded to `rows` rows); logits [rows, V]."""
+    def _run(self, token_ids: list[int], rows: int, forward: nn.Module | None) -> torch.Tensor:
+        """One pass writing `token_ids` at slots length.. (padded to `rows` rows); logits [rows, V].
+        `forward` None: the batcher's."""
         start = self.length
         if start + rows > self.max_length:
             raise ValueError(f"The static cache holds {self.max_length} tokens; a pass at {start} of {rows} "
                              "rows does not fit (size it with static_cache_length).")
         ids = torch.tensor(token_ids + [0] * (rows - len(token_ids)))
-        logits, layers = forward(ids, torch.arange(start, start + rows), self.keys, self.values, *self.tables)
+        if forward is None:
+            assert self.batcher is not None
+            logits, layers = self.batcher.run(Segment(ids, torch.arange(start, start + rows), self.keys, self.values,
+                                                      *self.tables))
+        else:
+            logits, layers = forward(ids, torch.arange(start, start + rows), self.keys, self.values, *self.tables)
         self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
         self.length = start + len(token_ids)
         return logits
@@ -194,10 +212,12 @@ class StaticLM:
             self._run(token_ids, len(token_ids), self.eager)
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
-        """Append up to `width` tokens in one `width`-row pass; logits [n, V] for each of them."""
+        """Append up to `width` tokens in one `width`-row pass; logits [n, V] for each of them. Batched, the
+        sequence's rows are still `width` (attention runs per sequence, and SDPA rows change with the query
+        count on the real target: a load test with one row per draft token broke exactness)."""
         if not 0 < len(token_ids) <= self.width:
             raise ValueError(f"A static pass takes 1 to {self.width} tokens, got {len(token_ids)}.")
-        logits = self._run(token_ids, self.width, self.step)[: len(token_ids)]
+        logits = self._run(token_ids, self.width, None if self.batcher is not None else self.step)[: len(token_ids)]
         if self.features is not None:
             self.features = self.features[: len(token_ids)]
         return logits

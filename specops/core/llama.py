@@ -16,6 +16,7 @@ the same for every pass of the same shape, which is what batch invariance needs 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,25 @@ from transformers import PreTrainedModel
 # Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU; the products inductor picks under
 # max-autotune (its CPP GEMM template or ATen's mm on frozen weights) reach ~24, the machine's bandwidth.
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a pass: tokens [n] at positions [n] (their cache slots), its per-layer cache
+    and its rotary tables."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+# Rows of every pass at least: with one row, bf16 F.linear takes another kernel for the 1536-wide down
+# projection (measured on this CPU, torch 2.13: one row differs from the same row among 2 to 96, which all
+# agree), so a lone token would round differently from the same token in a batch or a verification pass.
+MIN_ROWS = 2
 
 
 class UnsupportedModelError(ValueError):
@@ -110,25 +130,52 @@ class LlamaForward(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `ids` [n] at positions `pos` [n] (also their cache slots), each seeing the slots up to
         its own. Writes their keys and values; returns logits [n, V] and every layer's output [n, L, H]."""
-        n = ids.shape[0]
-        cos, sin, mask = cos[pos], sin[pos], self.visibility(pos, keys[0].shape[1])
+        return self.forward_many([Segment(ids, pos, keys, values, cos, sin)])[0]
+
+    def forward_many(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass over several sequences, each with its own cache: the products run over all their rows
+        at once (the weights are read once), attention runs per sequence over its own cache. A row's
+        result does not depend on the other segments as long as the products are batch-invariant over
+        the row count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching)."""
+        sizes = [segment.ids.shape[0] for segment in segments]
+        real = sum(sizes)
+        n = max(real, MIN_ROWS)  # padding rows (copies of the first) take part in the products only
+        # Elementwise work (rotary, views) runs on all rows at once; only the cache writes and attention,
+        # which read each sequence's own cache, run per sequence.
+        pad = [0] * (n - real)
+        cos = torch.cat([segment.cos[segment.pos] for segment in segments] + [segments[0].cos[pad]])
+        sin = torch.cat([segment.sin[segment.pos] for segment in segments] + [segments[0].sin[pad]])
+        masks = [self.visibility(segment.pos, segment.keys[0].shape[1]) for segment in segments]
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        x = F.embedding(ids, self.embed)
+        ids = torch.cat([segment.ids for segment in segments])
+        x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
         captured = []
         for i in range(self.num_layers):
             h = rms_norm(x, self.attn_norm[i], self.eps)
             q, k, v = F.linear(h, self.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
-            keys[i].index_copy_(1, pos, rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin))
-            values[i].index_copy_(1, pos, v.view(n, self.kv_heads, self.head_dim).transpose(0, 1))
-            att = F.scaled_dot_product_attention(q[None], keys[i][None], values[i][None], attn_mask=mask,
-                                                 enable_gqa=True)
-            x = x + F.linear(att[0].transpose(0, 1).reshape(n, q_size), self.o[i])
+            k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+            v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+            attended = []
+            for segment, mask, start, size in zip(segments, masks, starts, sizes, strict=True):
+                rows = slice(start, start + size)
+                segment.keys[i].index_copy_(1, segment.pos, k[:, rows])
+                segment.values[i].index_copy_(1, segment.pos, v[:, rows])
+                attended.append(F.scaled_dot_product_attention(q[None, :, rows], segment.keys[i][None],
+                                                               segment.values[i][None], attn_mask=mask,
+                                                               enable_gqa=True)[0])
+            if n > real:
+                attended.append(q.new_zeros(self.heads, n - real, self.head_dim))
+            att = attended[0] if len(attended) == 1 else torch.cat(attended, dim=1)
+            x = x + F.linear(att.transpose(0, 1).reshape(n, q_size), self.o[i])
             h = rms_norm(x, self.mlp_norm[i], self.eps)
             gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[i])
             captured.append(x)
-        return F.linear(rms_norm(x, self.norm, self.eps), self.head), torch.stack(captured, 1)
+        logits = F.linear(rms_norm(x, self.norm, self.eps), self.head)
+        layers = torch.stack(captured, 1)
+        return list(zip(logits[:real].split(sizes), layers[:real].split(sizes), strict=True))
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from specops.core.drafter import EMPTY, Draft, Drafter
 from specops.core.kv import CachedLM, StaticLM, static_cache_length
 from specops.core.policies import DraftLengthPolicy, FixedPolicy
-from specops.core.sampling import PositionNoise, logits_to_probs
+from specops.core.sampling import PositionNoise, logits_to_probs, token_logprobs
 from specops.core.target import Target
 from specops.core.types import (
     DEFAULT_DRAFT_TOKENS,
@@ -18,9 +20,13 @@ from specops.core.types import (
     Generation,
     GenerationStats,
     SamplingParams,
+    TokenLogprob,
     check_runtime,
 )
 from specops.core.verify import VERIFIERS, verify_tree
+
+if TYPE_CHECKING:  # batching imports the cost model, which imports this module
+    from specops.core.batching import PassBatcher
 
 GREEDY = SamplingParams()
 Cancelled = Callable[[], bool]  # polled between prefill chunks: True once nobody awaits the result
@@ -48,6 +54,21 @@ def prefill(lm: CachedLM | StaticLM, token_ids: list[int], chunk: int, cancelled
     return True
 
 
+PROMPT_LOGPROBS_ROWS = 256  # LM-head rows at a time when scoring a prompt: [rows, V] logits, not [prompt, V]
+
+
+def prompt_logprobs(target: Target, prompt_ids: list[int], top: int = 0) -> list[TokenLogprob]:
+    """The target's log-probability of each prompt token after the tokens before it (the first token has
+    no context, so entries start at the second), with the `top` most likely tokens at each position."""
+    with torch.inference_mode():
+        hidden = target.model.model(torch.tensor([prompt_ids])).last_hidden_state[0, :-1]  # [T - 1, H]
+        entries: list[TokenLogprob] = []
+        for begin in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
+            logits = target.model.lm_head(hidden[begin: begin + PROMPT_LOGPROBS_ROWS])
+            entries += token_logprobs(logits, prompt_ids[begin + 1: begin + 1 + PROMPT_LOGPROBS_ROWS], top)
+    return entries
+
+
 class GenerationRequestError(ValueError):
     """The request cannot be served as asked (empty prompt, too long, bad budget)."""
 
@@ -70,7 +91,8 @@ class GenerationStream:
 class SpeculativeGenerator:
     def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None,
-                 static_width: int = 0, compiled: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 static_width: int = 0, compiled: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 batcher: PassBatcher | None = None) -> None:
         """`policy` decides the draft length of each step (specops/core/policies.py); without one, every
         step drafts `draft_tokens`.
 
@@ -79,7 +101,8 @@ class SpeculativeGenerator:
         decoding through the same runtime, in bf16 as in fp32. Drafts are then at most static_width - 1
         tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding).
         `compiled` runs the static runtime's passes through torch.compile (specops.core.llama).
-        `prefill_chunk` bounds the tokens of one prefill pass (0: the whole prompt in one), see `prefill`."""
+        `prefill_chunk` bounds the tokens of one prefill pass (0: the whole prompt in one), see `prefill`.
+        `batcher` runs the static runtime's passes batched with other generations' (specops.core.batching)."""
         if verifier not in VERIFIERS:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
@@ -98,6 +121,9 @@ class SpeculativeGenerator:
         self.static_width = static_width
         self.compiled = compiled
         self.prefill_chunk = prefill_chunk
+        if batcher is not None and not static_width:
+            raise ValueError("Batched passes run on the static runtime: set static_width > 0.")
+        self.batcher = batcher
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -111,29 +137,38 @@ class SpeculativeGenerator:
                 f"target's context of {limit} tokens.")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                 seed: int | None = None, cancelled: Cancelled | None = None) -> Generation:
-        stream = self.stream(prompt_ids, max_new_tokens, sampling, seed, cancelled)
+                 seed: int | None = None, cancelled: Cancelled | None = None,
+                 logprobs: int | None = None) -> Generation:
+        stream = self.stream(prompt_ids, max_new_tokens, sampling, seed, cancelled, logprobs)
         for _ in stream:
             pass
         return stream.generation
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-               seed: int | None = None, cancelled: Cancelled | None = None) -> GenerationStream:
+               seed: int | None = None, cancelled: Cancelled | None = None,
+               logprobs: int | None = None) -> GenerationStream:
         """`cancelled` is polled between prefill chunks; once it is true the stream ends with no tokens and
-        finish_reason "cancelled" (between decode steps, the caller stops iterating instead)."""
+        finish_reason "cancelled" (between decode steps, the caller stops iterating instead).
+        `logprobs` not None fills `generation.logprobs` with the target's log-probability of every emitted
+        token and its `logprobs` most likely alternatives, read off the verification pass's own rows (so
+        speculative and plain decoding report the same numbers through the same runtime)."""
         self.check_request(prompt_ids, max_new_tokens)
         if self.verifier == "greedy" and not sampling.greedy:
             raise GenerationRequestError("The greedy verifier needs temperature 0; use 'rejection' or 'block' to sample.")
-        generation = Generation(token_ids=[], stats=GenerationStats(), finish_reason="length")
+        if logprobs is not None and logprobs < 0:
+            raise GenerationRequestError(f"logprobs must be >= 0, got {logprobs}.")
+        generation = Generation(token_ids=[], stats=GenerationStats(), finish_reason="length",
+                                logprobs=[] if logprobs is not None else None)
         generator: torch.Generator | PositionNoise = torch.Generator().manual_seed(seed if seed is not None else 0)
         if self.verifier == "coupled":  # every position drawn with noise keyed by (seed, position)
             generator = PositionNoise(seed if seed is not None else 0, self.target.vocab_size)
-        steps = self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation, cancelled)
+        steps = self._steps(list(prompt_ids), max_new_tokens, sampling, generator, generation, cancelled,
+                            logprobs or 0)
         return GenerationStream(steps, generation)
 
     def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
                generator: torch.Generator | PositionNoise, out: Generation,
-               cancelled: Cancelled | None) -> Iterator[list[int]]:
+               cancelled: Cancelled | None, top_logprobs: int = 0) -> Iterator[list[int]]:
         stats = out.stats
         start = time.perf_counter()
         coupled = isinstance(generator, PositionNoise)
@@ -143,7 +178,8 @@ class SpeculativeGenerator:
             lm: CachedLM | StaticLM
             if self.static_width:
                 length = static_cache_length(len(context), max_new_tokens, self.static_width)
-                lm = StaticLM(self.target.model, self.static_width, length, hidden_layers, self.compiled)
+                lm = StaticLM(self.target.model, self.static_width, length, hidden_layers, self.compiled,
+                              self.batcher)
             else:
                 lm = CachedLM(self.target.model, hidden_layers)
             if not prefill(lm, context[:-1], self.prefill_chunk, cancelled):
@@ -155,32 +191,41 @@ class SpeculativeGenerator:
                     self.drafter.observe_features(lm.features)
             self.policy.reset()
             stats.prefill_s = time.perf_counter() - start
-            while stats.new_tokens < max_new_tokens:
-                k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
-                if self.static_width:
-                    k = min(k, self.static_width - 1)  # a pass verifies at most width - 1 drafts
-                tick = time.perf_counter()
-                if isinstance(generator, PositionNoise):
-                    generator = generator.shifted(len(context))  # row 0: the next position to fill
-                draft = self._propose(context, k, sampling, generator)
-                if self.policy.trim is not None and draft.accept_probs and (sampling.greedy or coupled):
-                    # Greedy and coupled only: a trim looks at each token's predicted acceptance, which
-                    # depends on the token itself, so under rejection or block sampling it would choose
-                    # which X_i get verified from X_i's value and bias the output (specops/core/policies.py).
-                    # Greedy and coupled output is the target's own draw at every position whatever is
-                    # verified, so there it only saves time.
-                    draft = draft.prefix(self.policy.trim(draft.accept_probs))
-                tock = time.perf_counter()
-                accepted, next_token = self._verify(lm, context[-1], draft, sampling, generator)
-                stats.draft_s += tock - tick
-                stats.verify_s += time.perf_counter() - tock
-                stats.record_step(len(draft.tokens), len(accepted), draft.depth)
-                self.policy.update(len(draft.tokens), len(accepted))
-                stats.bonus += int(len(accepted) == len(draft.tokens) > 0 and not draft.is_tree)
-                new, stopped = self._commit(accepted + [next_token], context, out, start)
-                yield new
-                if stopped:
-                    break
+            # Registered while decoding: the batcher then waits for this sequence's passes too.
+            with self.batcher.sequence() if self.batcher is not None else contextlib.nullcontext():
+                while stats.new_tokens < max_new_tokens:
+                    k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
+                    if self.static_width:
+                        k = min(k, self.static_width - 1)  # a pass verifies at most width - 1 drafts
+                    if self.batcher is not None and (sampling.greedy or coupled):
+                        # Under load drafts shrink as the batch grows. Greedy and coupled output is the target's
+                        # own draw whatever the draft; a rejection-sampled one depends on the draft, so its
+                        # length must not depend on what else is running (the request would not be reproducible).
+                        k = min(k, self.batcher.draft_cap(stats.running_acceptance, k))
+                    tick = time.perf_counter()
+                    if isinstance(generator, PositionNoise):
+                        generator = generator.shifted(len(context))  # row 0: the next position to fill
+                    draft = self._propose(context, k, sampling, generator)
+                    if self.policy.trim is not None and draft.accept_probs and (sampling.greedy or coupled):
+                        # Greedy and coupled only: a trim looks at each token's predicted acceptance, which
+                        # depends on the token itself, so under rejection or block sampling it would choose
+                        # which X_i get verified from X_i's value and bias the output (specops/core/policies.py).
+                        # Greedy and coupled output is the target's own draw at every position whatever is
+                        # verified, so there it only saves time.
+                        draft = draft.prefix(self.policy.trim(draft.accept_probs))
+                    tock = time.perf_counter()
+                    accepted, next_token, rows = self._verify(lm, context[-1], draft, sampling, generator)
+                    stats.draft_s += tock - tick
+                    stats.verify_s += time.perf_counter() - tock
+                    stats.record_step(len(draft.tokens), len(accepted), draft.depth)
+                    self.policy.update(len(draft.tokens), len(accepted))
+                    stats.bonus += int(len(accepted) == len(draft.tokens) > 0 and not draft.is_tree)
+                    new, stopped = self._commit(accepted + [next_token], context, out, start)
+                    if out.logprobs is not None:
+                        out.logprobs.extend(token_logprobs(rows, new, top_logprobs))
+                    yield new
+                    if stopped:
+                        break
 
     def _commit(self, new: list[int], context: list[int], out: Generation, start: float) -> tuple[list[int], bool]:
         """Append one step's tokens, cut after the first EOS, to the sequence; True when generation ends."""
@@ -202,8 +247,9 @@ class SpeculativeGenerator:
         return self.drafter.propose(context, k, sampling, generator, stop=self.policy.stop)
 
     def _verify(self, lm: CachedLM | StaticLM, last: int, draft: Draft, sampling: SamplingParams,
-                generator: torch.Generator | PositionNoise) -> tuple[list[int], int]:
-        """One target pass over [last] + draft; returns the accepted draft tokens and the next token.
+                generator: torch.Generator | PositionNoise) -> tuple[list[int], int, torch.Tensor]:
+        """One target pass over [last] + draft; returns the accepted draft tokens, the next token, and the
+        pass's logits rows [n + 1, V] at which those n + 1 tokens were emitted.
 
         Leaves the cache holding everything up to and including the accepted tokens.
         """
@@ -215,7 +261,7 @@ class SpeculativeGenerator:
             kept = [0] + [node + 1 for node in path]  # rows of the root and the accepted path
             lm.keep(past, kept)
             accepted = [draft.tokens[node] for node in path]
-            seen = [last] + draft.tokens
+            seen, rows = [last] + draft.tokens, logits[kept]
         else:
             seen = [last] + draft.tokens
             logits = lm.forward(seen)  # [k+1, V]
@@ -225,9 +271,9 @@ class SpeculativeGenerator:
             n, next_token = VERIFIERS[self.verifier](torch.tensor(draft.tokens, dtype=torch.long), draft.q, p, generator)
             lm.crop(past + 1 + n)
             accepted = draft.tokens[:n]
-            kept = list(range(n + 1))
+            kept, rows = list(range(n + 1)), logits[: n + 1]  # a view: no copy when nobody asks for logprobs
         if self.drafter is not None:
             self.drafter.observe(seen, logits)
             if lm.features is not None:  # the target's features at the tokens now committed
                 self.drafter.observe_features(lm.features[kept])
-        return accepted, next_token
+        return accepted, next_token, rows

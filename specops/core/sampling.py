@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, TokenLogprob
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -96,3 +96,17 @@ def draw(probs: torch.Tensor, randomness: Randomness, offset: int = 0) -> int:
     if isinstance(randomness, PositionNoise):
         return coupled_sample(probs, randomness.at(randomness.start + offset))
     return sample(probs, randomness)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int = 0) -> list[TokenLogprob]:
+    """Row i of `logits` [n, V] is the target's output at the position where tokens[i] was emitted: that
+    token's log-probability under it, and the `top` most likely tokens (log_softmax in at least float32,
+    so bf16 logits lose no more precision here)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.log_softmax(logits[: len(tokens)].to(dtype), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if top <= 0:
+        return [TokenLogprob(token, value) for token, value in zip(tokens, chosen, strict=True)]
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    return [TokenLogprob(token, value, tuple(zip(row_ids, row_values, strict=True)))
+            for token, value, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)]

@@ -87,6 +87,13 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def running_acceptance(self) -> float:
+        """Per-token acceptance so far, from a prior of 0.6 worth 4 tokens (what a step accepted, plus one
+        rejection if it stopped early: the trials of a geometric run), for a draft length choice mid-request."""
+        trials = 4.0 + self.accepted + sum(int(a < d) for d, a in self.per_step)
+        return (2.4 + self.accepted) / trials
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
@@ -99,8 +106,20 @@ class GenerationStats:
         return data
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a token at its position, and the `top` most likely tokens there
+    (id, log-probability), most likely first. The distribution is the target's own (temperature 1, no
+    top-k/top-p), as vLLM's default raw logprobs, so it does not depend on how the token was chosen."""
+
+    token: int
+    logprob: float | None  # None only for a prompt's first token, which has no context to be scored in
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str  # "stop" (an EOS token), "length", or "cancelled" (stopped during the prefill)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the caller asked for them

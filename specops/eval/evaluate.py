@@ -21,6 +21,9 @@ from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
 
 log = logging.getLogger(__name__)
 CHAMPION_METHOD = "champion"
+# A method's headline numbers: what the gate judges (snapshot) and what DVC tracks per method (dvc_metrics).
+HEADLINE = ("speedup_vs_ar", "identical_to_plain", "identical_to_ar", "mean_accepted_length", "acceptance_rate",
+            "tokens_per_s")
 
 
 @dataclass
@@ -55,9 +58,13 @@ class EvaluateConfig:
     """The static runtime's passes through torch.compile: a minute or two of compiling per process and
     pass width, then about 2x faster passes (DecodingConfig.compiled)."""
     out: str = "metrics/eval.json"
-    """The metrics file (DVC metrics)."""
+    """DVC metrics: numbers only (dvc_metrics), so `dvc metrics show` and `dvc exp show` stay readable."""
+    report: str = "metrics/eval_report.json"
+    """The whole evaluation: the numbers, and the method names, benchmark settings, target, dtype and
+    machine they were measured with. register and promote read it."""
     plots_dir: str = "metrics/plots"
-    """PNG plots: per-position acceptance and speedup per method."""
+    """Plots of acceptance per draft position and speedup per method: PNGs, and the data DVC draws itself
+    (specops/eval/plots.py: evaluation_plots), so `dvc plots diff` overlays experiments."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -101,9 +108,17 @@ def default_method(methods: dict[str, dict[str, Any]], kinds: list[str]) -> str:
 def snapshot(methods: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
     """The gate's view of one method: its name and headline numbers."""
     row = methods[name]
-    return {"method": name, **{key: row[key] for key in
-                               ("speedup_vs_ar", "identical_to_plain", "identical_to_ar", "mean_accepted_length",
-                                "acceptance_rate", "tokens_per_s")}}
+    return {"method": name, **{key: row[key] for key in HEADLINE}}
+
+
+def dvc_metrics(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's numbers for DVC: each method's headline numbers, and the default's and the champion's.
+    Method names, settings and the machine stay in the report: DVC would make a column of each string."""
+    def numbers(row: dict[str, Any]) -> dict[str, Any]:
+        return {key: row[key] for key in HEADLINE if row.get(key) is not None}  # None: HF rows have no drafts
+
+    metrics = {"prompts": report["prompts"], "methods": {name: numbers(row) for name, row in report["methods"].items()}}
+    return metrics | {side: numbers(report[side]) for side in ("default", "champion") if side in report}
 
 
 @dataclass

@@ -1,7 +1,11 @@
-"""PNG plots for the evaluate stage (logged to MLflow and shown by `dvc plots`)."""
+"""Plots of the evaluate stages: PNGs (logged to MLflow, one image per run) and, for the evaluate stage,
+the data behind them, which DVC draws itself, so `dvc plots diff` overlays experiments and revisions."""
 
 from __future__ import annotations
 
+import csv
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,30 @@ def speedup_per_method(methods: dict[str, dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
+def evaluation_plots(methods: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
+    """The evaluate stage's plots in out_dir; dvc.yaml declares each, with the fields DVC draws from the data."""
+    return [acceptance_per_position(methods, out_dir / "acceptance_per_position.png"),
+            speedup_per_method(methods, out_dir / "speedup.png"),
+            acceptance_data(methods, out_dir / "acceptance_per_position"),
+            speedup_data(methods, out_dir / "speedup.csv")]
+
+
+def acceptance_data(methods: dict[str, dict[str, Any]], out_dir: Path) -> Path:
+    """One CSV (position, acceptance) per method with drafts: DVC draws one chart per method, with a line per
+    experiment or revision."""
+    shutil.rmtree(out_dir, ignore_errors=True)  # a method no longer evaluated leaves no file behind
+    out_dir.mkdir(parents=True)
+    for name, row in methods.items():
+        if rates := row.get("acceptance_per_position"):
+            _write_csv(out_dir / f"{name}.csv", ("position", "acceptance"), enumerate(rates, start=1))
+    return out_dir
+
+
+def speedup_data(methods: dict[str, dict[str, Any]], path: Path) -> Path:
+    """method, speedup_vs_ar: DVC's bar_horizontal template puts the experiments' bars side by side per method."""
+    return _write_csv(path, ("method", "speedup_vs_ar"), ((name, row["speedup_vs_ar"]) for name, row in methods.items()))
+
+
 def speed_quality(report: dict[str, Any], modes: list[str], path: Path) -> Path:
     """The lossy_eval trade-off: one line per lossy mode over its thresholds, plus the lossless point."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -66,4 +94,13 @@ def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
+
+
+def _write_csv(path: Path, header: tuple[str, ...], rows: Iterable[tuple[Any, ...]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
     return path

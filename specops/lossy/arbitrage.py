@@ -102,7 +102,10 @@ class ArbitrageGenerator(SpeculativeGenerator):
         self.max_step_tokens = max_step_tokens
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-               seed: int | None = None, cancelled: Cancelled | None = None) -> GenerationStream:
+               seed: int | None = None, cancelled: Cancelled | None = None,
+               logprobs: int | None = None) -> GenerationStream:
+        if logprobs is not None:  # its tokens are not the target's own choices: their logprobs would mislead
+            raise GenerationRequestError("The lossy modes do not report logprobs; ask without a lossy mode.")
         if not sampling.greedy:
             raise GenerationRequestError("The arbitrage lossy mode decodes greedily: use temperature 0.")
         stream = super().stream(prompt_ids, max_new_tokens, sampling, seed, cancelled)
@@ -111,7 +114,8 @@ class ArbitrageGenerator(SpeculativeGenerator):
         return stream
 
     def _steps(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
-               generator: torch.Generator, out: Generation, cancelled: Cancelled | None) -> Iterator[list[int]]:
+               generator: torch.Generator, out: Generation, cancelled: Cancelled | None,
+               top_logprobs: int = 0) -> Iterator[list[int]]:
         stats = out.stats
         start = time.perf_counter()
         with torch.inference_mode():

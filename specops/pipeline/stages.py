@@ -165,7 +165,7 @@ def trained_models(inputs: Inputs):
 
 def evaluate(params: Params, inputs: Inputs) -> None:
     from specops.eval import plots
-    from specops.eval.evaluate import EvaluateConfig
+    from specops.eval.evaluate import EvaluateConfig, dvc_metrics
     from specops.eval.evaluate import evaluate as run
 
     cfg = section(params, EvaluateConfig, "evaluate")
@@ -175,9 +175,9 @@ def evaluate(params: Params, inputs: Inputs) -> None:
         champion = _champion_generator(params, target, Path(workdir)) if cfg.compare_champion else None
         report = run(cfg, target, prompts_file, trained_models(inputs), champion)
     report.pop("per_prompt")
-    write_json(cfg.out, report)
-    plots.acceptance_per_position(report["methods"], Path(cfg.plots_dir) / "acceptance_per_position.png")
-    plots.speedup_per_method(report["methods"], Path(cfg.plots_dir) / "speedup.png")
+    write_json(cfg.report, report)
+    write_json(cfg.out, dvc_metrics(report))
+    plots.evaluation_plots(report["methods"], Path(cfg.plots_dir))
 
 
 def train_router(params: Params, inputs: Inputs) -> None:
@@ -289,8 +289,8 @@ STAGE_INPUTS: dict[str, dict[str, str]] = {
     "train_router": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}"},
     "lossy_eval": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}", "router": "${train_router.out_dir}"},
     "register": {"draft": "${train_draft.out_dir}", "aligned": "${train_aligned.out_dir}",
-                 "acceptance": "${train_acceptance.out_dir}", "evaluation": "${evaluate.out}"},
-    "promote": {"evaluation": "${evaluate.out}"},
+                 "acceptance": "${train_acceptance.out_dir}", "evaluation": "${evaluate.report}"},
+    "promote": {"evaluation": "${evaluate.report}"},
     "publish": {},
 }
 

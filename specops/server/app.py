@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: `create_app(config)` builds it, `serve(config)` runs it.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, /health (liveness, never authenticated), /ready (the model is warm) and /metrics.
-Handlers validate and tokenize on the event loop, then hand the request to the single generation
-worker (specops/server/worker.py) and relay its events. Every error is an OpenAI error object; bad input
+GET /v1/models, /health (liveness, never authenticated), /ready (the model is warm) and /metrics, and
+vLLM's POST /tokenize, POST /detokenize and GET /version. Handlers validate and tokenize on the event
+loop, then hand the request (one job per choice) to the generation worker's slots
+(specops/server/worker.py) and relay its events. Every error is an OpenAI error object; bad input
 is a 4xx, never a 500.
 """
 
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import version as package_version
 from typing import Any
 
 import uvicorn
@@ -27,24 +30,38 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
 
 from specops.core.target import Target, encode_prompt, load_target
 from specops.core.types import SamplingParams
 from specops.server.config import ServerConfig, is_loopback
 from specops.server.feedback import FeedbackLog
 from specops.server.guards import STATUS_KEY, BearerAuth, BodyLimit, LoopbackHosts, RequestRecorder
+from specops.server.logprobs import TokenText
 from specops.server.metrics import CONTENT_TYPE, ServerMetrics
 from specops.server.protocol import (
     ApiError,
     ChatRequest,
+    Choice,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseBuilder,
     SamplingFields,
+    TokenizeRequest,
     error_body,
 )
-from specops.server.reload import SWAP_TIMEOUT_S, RegistryWatcher, bundle_model, plain_model
+from specops.server.reload import RegistryWatcher, bundle_model, plain_model
 from specops.server.transport import uvicorn_config
-from specops.server.worker import Delta, Event, Failed, GenerationWorker, Job, QueueFullError, ServedModel
+from specops.server.worker import (
+    Completion,
+    Delta,
+    Event,
+    Failed,
+    GenerationWorker,
+    Job,
+    QueueFullError,
+    ServedModel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,31 +91,53 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks the worker for, once validated and tokenized."""
+
+    prompt_ids: list[int]
+    prompt_text: str | None  # for the feedback log
+    max_tokens: int | None
+    chat: bool
+    logprobs: int | None = None  # None: none; k: each token's logprob and its k most likely alternatives
+    echo: str | None = None  # completions' echo: the prompt's text, sent back first
+
+
 @dataclass
 class Pending:
-    """A submitted job, as its request handler waits for it."""
+    """The submitted jobs of one request (one per choice), as its handler waits for them; their events
+    arrive on one queue, tagged with the choice's index."""
 
-    job: Job
-    events: asyncio.Queue[Event]
+    jobs: list[Job]
+    events: asyncio.Queue[tuple[int, Event]]
     request: Request
     deadline: float  # time.monotonic()
     timeout_s: float
 
-    async def next(self, watch_disconnect: bool) -> Event:
-        """The next worker event; a 504 Failed past the deadline. Raises ClientGone if the client left
-        (only checked with watch_disconnect: once a stream has started, Starlette watches instead)."""
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancelled.set()
+
+    async def next(self, watch_disconnect: bool) -> tuple[int, Event]:
+        """The next worker event and its choice; a 504 Failed past the deadline. Raises ClientGone if the
+        client left (only checked with watch_disconnect: once a stream has started, Starlette watches instead)."""
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
-                self.job.cancelled.set()
-                return Failed(504, f"The request did not complete within {self.timeout_s:g} s; try a smaller "
-                              "max_tokens or retry later.", "timeout_error", "timeout")
+                self.cancel()
+                return 0, Failed(504, f"The request did not complete within {self.timeout_s:g} s; try a smaller "
+                                 "max_tokens or retry later.", "timeout_error", "timeout")
             try:
                 return await asyncio.wait_for(self.events.get(), min(remaining, DISCONNECT_POLL_S))
-            except TimeoutError:
+            except TimeoutError:  # asyncio's is this class from Python 3.11, the oldest supported
                 if watch_disconnect and await self.request.is_disconnected():
-                    self.job.cancelled.set()
+                    self.cancel()
                     raise ClientGone() from None
+
+
+@functools.lru_cache(maxsize=4)  # one per tokenizer served (a hot reload may bring another)
+def token_text(tokenizer: PreTrainedTokenizerBase) -> TokenText:
+    return TokenText(tokenizer)
 
 
 class Server:
@@ -110,14 +149,15 @@ class Server:
         self.metrics = metrics
         self.feedback = (FeedbackLog(config.feedback_db, config.feedback_max_rows, config.log_prompt_text)
                          if config.feedback else None)
-        self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback)
+        self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback, config.max_batch,
+                                       config.batch_window_ms / 1000)
         self.watcher = watcher
         self.started = int(time.time())
 
     def start(self) -> None:
         self.worker.start()
         if self.watcher is not None and self.config.poll_s > 0:
-            self.watcher.start(lambda model: self.worker.swap(model, SWAP_TIMEOUT_S))
+            self.watcher.start(self.worker.swap)
 
     def stop(self) -> None:
         if self.watcher is not None:
@@ -127,41 +167,56 @@ class Server:
             self.feedback.close()
 
     def model_card(self) -> dict[str, Any]:
+        # root and parent as vLLM reports them: the weights the model serves, and no base model it adapts.
+        model = self.worker.model
         return {"id": self.config.model_name, "object": "model", "created": self.started, "owned_by": "specops",
-                **self.worker.model.describe()}
+                "root": model.target.fingerprint.name, "parent": None, "max_model_len": model.target.max_context,
+                **model.describe()}
 
-    async def complete(self, request: Request, body: SamplingFields, prompt_ids: list[int], prompt_text: str | None,
-                       max_tokens: int | None, chat: bool) -> Response:
-        """Validate against the model, queue the job, and answer with JSON or an event stream."""
-        if body.model is not None and body.model != self.config.model_name:
-            raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
+    def check_model(self, name: str | None) -> None:
+        """A request's `model` must be this server's (None: the one it serves)."""
+        if name is not None and name != self.config.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
                            f"'{self.config.model_name}'.", param="model", code="model_not_found")
+
+    async def complete(self, request: Request, body: SamplingFields, ask: Ask) -> Response:
+        """Validate against the model, queue one job per choice, and answer with JSON or an event stream."""
+        self.check_model(body.model)
         if not self.worker.ready.is_set():
             raise ApiError(503, "The model is still loading; retry shortly.", "server_error", code="not_ready",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         if (refusal := self.worker.feedback_refusal()) is not None:
             raise ApiError(refusal.status, refusal.message, refusal.type, code=refusal.code,
                            headers={"Retry-After": str(self.config.retry_after_s)})
-        max_tokens = self._check_budget(len(prompt_ids), max_tokens, "messages" if chat else "prompt")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pending = self._submit(request, body, request_id, prompt_ids, prompt_text, max_tokens, chat)
-        builder = ResponseBuilder(chat, request_id, self.config.model_name)
+        max_tokens = self._check_budget(len(ask.prompt_ids), ask.max_tokens, "messages" if ask.chat else "prompt")
+        request_id = f"{'chatcmpl' if ask.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        pending = self._submit(request, body, request_id, ask, max_tokens)
+        text_of = token_text(self.worker.model.target.tokenizer) if ask.logprobs is not None else None
+        builder = ResponseBuilder(ask.chat, request_id, self.config.model_name, text_of)
         headers = {"X-Request-Id": request_id}
         try:
             first = await pending.next(watch_disconnect=True)
-            if isinstance(first, Failed):
-                raise ApiError(first.status, first.message, first.type, code=first.code)
+            if isinstance(first[1], Failed):
+                raise _failure(first[1])
             if body.stream:
                 headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 return EventStream(self._stream(pending, builder, first, body.include_usage), headers=headers)
-            parts: list[str] = []
-            event = first
-            while isinstance(event, Delta):
-                parts.append(event.text)
-                event = await pending.next(watch_disconnect=True)
-            if isinstance(event, Failed):
-                raise ApiError(event.status, event.message, event.type, code=event.code)
-            return JSONResponse(builder.response("".join(parts), event.completion), headers=headers)
+            choices = [Choice() for _ in pending.jobs]
+            index, event = first
+            while True:
+                if isinstance(event, Failed):
+                    raise _failure(event)
+                if isinstance(event, Delta):
+                    choices[index].text += event.text
+                    choices[index].logprobs += event.logprobs
+                else:
+                    choices[index].completion = event.completion
+                    if all(c.completion is not None for c in choices):
+                        return JSONResponse(builder.response(choices), headers=headers)
+                index, event = await pending.next(watch_disconnect=True)
+        except ApiError:
+            pending.cancel()  # the other choices are of no use now
+            raise
         except ClientGone:
             setattr(request.state, STATUS_KEY, 499)
             return Response(status_code=499)
@@ -183,50 +238,66 @@ class Server:
                            f"{max_tokens}.", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def _submit(self, request: Request, body: SamplingFields, request_id: str, prompt_ids: list[int],
-                prompt_text: str | None, max_tokens: int, chat: bool) -> Pending:
+    def _submit(self, request: Request, body: SamplingFields, request_id: str, ask: Ask, max_tokens: int) -> Pending:
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def emit(event: Event) -> None:
-            # A closed event loop (shutdown) raises RuntimeError: nobody is left to read the event then.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(events.put_nowait, event)
+        def emitter(index: int) -> Callable[[Event], None]:
+            def emit(event: Event) -> None:
+                # A closed event loop (shutdown) raises RuntimeError: nobody is left to read the event then.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            return emit
 
-        job = Job(request_id=request_id, endpoint="chat" if chat else "completions", prompt_ids=prompt_ids,
-                  max_tokens=max_tokens, sampling=SamplingParams(body.temperature, body.top_p, body.top_k),
-                  seed=body.seed if body.seed is not None else secrets.randbits(SEED_BITS), stop=body.stop_list(),
-                  prompt_text=prompt_text if self.config.log_prompt_text else None, emit=emit)
+        seed = body.seed if body.seed is not None else secrets.randbits(SEED_BITS)
+        jobs = [Job(request_id=request_id if body.n == 1 else f"{request_id}-{index}",
+                    endpoint="chat" if ask.chat else "completions", prompt_ids=ask.prompt_ids, max_tokens=max_tokens,
+                    sampling=SamplingParams(body.temperature, body.top_p, body.top_k), seed=seed + index,
+                    stop=body.stop_list(), prompt_text=ask.prompt_text if self.config.log_prompt_text else None,
+                    emit=emitter(index), logprobs=ask.logprobs, echo=ask.echo)
+                for index in range(body.n)]
+        pending = Pending(jobs, events, request, time.monotonic() + self.config.timeout_s, self.config.timeout_s)
         try:
-            self.worker.submit(job)
+            for job in jobs:
+                self.worker.submit(job)
         except QueueFullError as error:
+            pending.cancel()  # the choices already queued: the worker skips cancelled jobs
             raise ApiError(429, f"The server is busy: {error} Retry later.", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from error
-        return Pending(job, events, request, time.monotonic() + self.config.timeout_s, self.config.timeout_s)
+        return pending
 
-    async def _stream(self, pending: Pending, builder: ResponseBuilder, first: Event,
+    async def _stream(self, pending: Pending, builder: ResponseBuilder, first: tuple[int, Event],
                       include_usage: bool) -> AsyncIterator[str]:
-        done = False
+        finished: dict[int, Completion] = {}
         try:
             if builder.chat:
-                yield sse(builder.chunk(role=True))
-            event = first
-            while isinstance(event, Delta):
-                yield sse(builder.chunk(text=event.text))
-                event = await pending.next(watch_disconnect=False)
-            done = True
-            if isinstance(event, Failed):
-                setattr(pending.request.state, STATUS_KEY, event.status)
-                yield sse(error_body(event.message, event.type, None, event.code))
-                return
-            yield sse(builder.chunk(finish_reason=event.completion.finish_reason))
+                for index in range(len(pending.jobs)):
+                    yield sse(builder.chunk(index, role=True))
+            index, event = first
+            while len(finished) < len(pending.jobs):
+                if isinstance(event, Failed):
+                    setattr(pending.request.state, STATUS_KEY, event.status)
+                    yield sse(error_body(event.message, event.type, None, event.code))
+                    return
+                if isinstance(event, Delta):
+                    yield sse(builder.chunk(index, text=event.text, logprobs=event.logprobs))
+                else:
+                    finished[index] = event.completion
+                    yield sse(builder.chunk(index, finish_reason=event.completion.finish_reason))
+                if len(finished) < len(pending.jobs):
+                    index, event = await pending.next(watch_disconnect=False)
             if include_usage:
-                yield sse(builder.usage_chunk(event.completion))
+                yield sse(builder.usage_chunk([finished[i] for i in sorted(finished)]))
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away mid-stream: stop generating for it
-                pending.job.cancelled.set()
-                setattr(pending.request.state, STATUS_KEY, 499)
+            if len(finished) < len(pending.jobs):  # a failure, or the client went away mid-stream
+                pending.cancel()
+                if getattr(pending.request.state, STATUS_KEY, None) is None:
+                    setattr(pending.request.state, STATUS_KEY, 499)
+
+
+def _failure(event: Failed) -> ApiError:
+    return ApiError(event.status, event.message, event.type, code=event.code)
 
 
 def _tokenize(target: Target, prompt: str | list[dict[str, str]], raw: bool, param: str) -> list[int]:
@@ -297,7 +368,9 @@ def _install_routes(app: FastAPI, server: Server) -> None:
                 raise ApiError(400, f"Prompt token ids must be in [0, {target.vocab_size}).", param="prompt",
                                code="invalid_value")
             ids, text = list(body.prompt), None
-        return await server.complete(request, body, ids, text, body.max_tokens, chat=False)
+        echo = (text if text is not None else target.tokenizer.decode(ids)) if body.echo else None
+        return await server.complete(request, body, Ask(ids, text, body.max_tokens, chat=False, logprobs=body.top_logprobs_asked(),
+                                                        echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -308,8 +381,31 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         if not any(m["content"].strip() for m in messages):
             raise ApiError(400, "Every message is empty.", param="messages", code="invalid_value")
         ids = _tokenize(server.worker.model.target, messages, raw=False, param="messages")
-        return await server.complete(request, body, ids, json.dumps(messages, ensure_ascii=False),
-                                     body.max_tokens or body.max_completion_tokens, chat=True)
+        return await server.complete(request, body, Ask(ids, json.dumps(messages, ensure_ascii=False),
+                                                        body.max_tokens or body.max_completion_tokens, chat=True,
+                                                        logprobs=body.top_logprobs_asked()))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        server.check_model(body.model)
+        target = server.worker.model.target
+        if body.messages is not None:
+            ids = _tokenize(target, [m.as_template_message() for m in body.messages], raw=False, param="messages")
+        else:
+            ids = encode_prompt(target.tokenizer, body.prompt or "", raw=True)
+        return {"count": len(ids), "max_model_len": target.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        server.check_model(body.model)
+        target = server.worker.model.target
+        if not all(0 <= t < target.vocab_size for t in body.tokens):
+            raise ApiError(400, f"Token ids must be in [0, {target.vocab_size}).", param="tokens", code="invalid_value")
+        return {"prompt": target.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version("specops")}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,7 @@ def write_bundle(
 
     manifest = {
         "format_version": FORMAT_VERSION,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_sha": git_sha,
         "mlflow": {key: (mlflow_info or {}).get(key) for key in MLFLOW_KEYS},
         "target": {"source": target_source, "dtype": target_dtype, "fingerprint": fingerprint.to_dict()},

@@ -53,6 +53,9 @@ class ServerConfig:
     drafter: str = option("recycling", "drafter without a bundle; 'none' is plain autoregressive decoding "
                                        "(a bundle's serving.yaml chooses its own)")
     draft_model: str | None = option(None, "HF folder of the draft LM for --drafter draft-lm")
+    static_width: int = option(0, "without a bundle: rows of each target pass on the static runtime (0: the "
+                                  "dynamic cache); with --dtype bfloat16 its passes batch across requests (a "
+                                  "bundle's serving.yaml sets its own)")
     model_name: str = option("specops", "model id shown by /v1/models; requests naming another model get 404")
     # HTTP.
     host: str = option("127.0.0.1", "interface to listen on")
@@ -73,8 +76,13 @@ class ServerConfig:
     body_timeout_s: float = option(30.0, "a request's body must arrive within this many seconds of its headers; "
                                          "else 408")
     keep_alive_s: int = option(5, "an idle keep-alive connection is closed after this many seconds")
-    # Load: one generation at a time (drafters keep per-sequence state), the rest wait in a queue.
-    queue_size: int = option(16, "requests that may wait behind the running one; more get 429")
+    # Load: up to max_batch generations decode at once, their target passes batched (specops/server/worker.py);
+    # the rest wait in a queue.
+    max_batch: int = option(8, "generations decoding at once, their target passes batched; needs a model on the "
+                               "eager static runtime in bfloat16 (a bundle's default), else one at a time")
+    batch_window_ms: float = option(2.0, "how long a target pass waits for the other generations' passes "
+                                         "before it runs without them")
+    queue_size: int = option(16, "requests that may wait for a generation slot; more get 429")
     retry_after_s: int = option(1, "Retry-After seconds sent with a 429")
     timeout_s: float = option(120.0, "per-request limit on queue wait plus generation; past it 504")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (cut to the context left)")
@@ -100,12 +108,14 @@ class ServerConfig:
                     "default_max_tokens": self.default_max_tokens, "feedback_max_rows": self.feedback_max_rows,
                     "max_prompt_tokens": self.max_prompt_tokens, "max_connections": self.max_connections,
                     "header_timeout_s": self.header_timeout_s, "body_timeout_s": self.body_timeout_s,
-                    "keep_alive_s": self.keep_alive_s}
+                    "keep_alive_s": self.keep_alive_s, "max_batch": self.max_batch}
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}.")
-        if self.poll_s < 0 or self.retry_after_s < 0:
-            raise ValueError("poll_s and retry_after_s must be >= 0.")
+        if self.poll_s < 0 or self.retry_after_s < 0 or self.batch_window_ms < 0 or self.static_width < 0:
+            raise ValueError("poll_s, retry_after_s, batch_window_ms and static_width must be >= 0.")
+        if self.static_width and (self.bundle or self.model_uri):
+            raise ValueError("static_width applies to a plain target and drafter; a bundle's serving.yaml sets its own.")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}.")
         if self.api_key is not None and not self.api_key.strip():

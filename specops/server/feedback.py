@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,7 @@ def parse_since(text: str) -> datetime:
         moment = datetime.fromisoformat(text)
     except ValueError as error:
         raise ValueError(f"--since '{text}' is not an ISO 8601 time such as 2025-01-31T12:00:00Z.") from error
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def _existing(db: Path | str) -> Path:
@@ -175,7 +175,7 @@ def _write_parquet(db: Path | str, where: str, args: tuple[Any, ...], out: Path 
          sampling, steps, finish_reason, prompt_text) in rows:
         per_step = json.loads(steps)
         values = {
-            "id": row_id, "request_id": request_id, "created_at": datetime.fromtimestamp(created_at, timezone.utc),
+            "id": row_id, "request_id": request_id, "created_at": datetime.fromtimestamp(created_at, UTC),
             "bundle_version": bundle_version, "model_version": model_version, "drafter": drafter,
             "endpoint": endpoint, "prompt_ids": json.loads(prompt_ids), "output_ids": json.loads(output_ids),
             "sampling": sampling, "step_drafted": [d for d, _ in per_step],
@@ -191,7 +191,7 @@ def _write_parquet(db: Path | str, where: str, args: tuple[Any, ...], out: Path 
 
 def export(db: Path | str, since: datetime | None, out: Path | str) -> int:
     """Write rows created at or after `since` (all rows for None) to a Parquet file; returns the row count."""
-    start = 0.0 if since is None else (since if since.tzinfo else since.replace(tzinfo=timezone.utc)).timestamp()
+    start = 0.0 if since is None else (since if since.tzinfo else since.replace(tzinfo=UTC)).timestamp()
     return _write_parquet(db, "created_at >= ? ORDER BY id", (start,), out)
 
 

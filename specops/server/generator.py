@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
+from specops.core.batching import PassBatcher, batch_invariant
 from specops.core.drafter import Drafter
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import Target, encode_prompt, load_target
@@ -26,11 +28,27 @@ class TextGenerator:
         self.drafter = drafter
         self.config = config
         self.policy = build_policy(config, target, drafter)  # built once: goodput times the models here
+        self.batcher: PassBatcher | None = None  # set on forks that decode beside others (specops.server.worker)
         self._lossy: LossyModels | None = None
         if config.lossy_mode not in LOSSY_MODES:
             raise ValueError(f"Unknown lossy_mode '{config.lossy_mode}'. Choose one of: {', '.join(LOSSY_MODES)}.")
         if config.lossy_mode != OFF:  # fail at load, not at the first request
             self.lossy_models().router(config.lossy_mode)
+
+    @property
+    def batchable(self) -> bool:
+        """Whether its generations may share batched target passes without changing a bit of their output:
+        the eager static runtime in bf16 (specops.core.batching)."""
+        return bool(self.config.static_width) and not self.config.compiled and batch_invariant(self.target.model.dtype)
+
+    def fork(self, batcher: PassBatcher | None) -> TextGenerator:
+        """A generator for one more concurrent generation: the same models, its own drafter and policy state
+        (drafters reset theirs at each generation's start), its passes batched through `batcher`."""
+        twin = copy.copy(self)
+        twin.drafter = copy.copy(self.drafter)
+        twin.policy = copy.deepcopy(self.policy)
+        twin.batcher = batcher
+        return twin
 
     def lossy_models(self) -> LossyModels:
         if self._lossy is None:
@@ -52,7 +70,8 @@ class TextGenerator:
             return self.lossy_models().generator(mode, threshold, self.config.draft_tokens)
         return SpeculativeGenerator(self.target, self.drafter, resolve_verifier(self.config.verifier, sampling),
                                     self.config.draft_tokens, policy=self.policy, static_width=self.config.static_width,
-                                    compiled=self.config.compiled, prefill_chunk=self.config.prefill_chunk)
+                                    compiled=self.config.compiled, prefill_chunk=self.config.prefill_chunk,
+                                    batcher=self.batcher)
 
     def generate_text(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 64, temperature: float = 0.0,
                       top_p: float = 1.0, seed: int | None = None, raw: bool = False, lossy_mode: str | None = None,

@@ -18,6 +18,10 @@ from specops.core.types import GenerationStats
 # Seconds; a request on a 2-core CPU spans ~50 ms (a few tokens) to minutes (long outputs in a queue).
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 40, 60, 80, 120, 160)  # tokens/s of one request
+DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -41,7 +45,18 @@ class ServerMetrics:
                                  "completion requests.", buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("specops_time_to_first_token_seconds", "Arrival to the first generated token, "
                               "queue wait included.", buckets=TTFT_BUCKETS, registry=r)
-        self.queue_depth = Gauge("specops_queue_depth", "Requests waiting for the generation worker.", registry=r)
+        self.queue_depth = Gauge("specops_queue_depth", "Requests waiting for a generation slot.", registry=r)
+        self.queue_depth_seen = Histogram("specops_queue_depth_observed", "Requests waiting, as each request "
+                                          "arrived.", buckets=BATCH_BUCKETS, registry=r)
+        self.active = Gauge("specops_active_generations", "Generations decoding now.", registry=r)
+        self.batch_size = Histogram("specops_batch_size", "Sequences in each batched target pass.",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.inter_token = Histogram("specops_inter_token_latency_seconds", "Time between a request's successive "
+                                     "steps, over the tokens each step emitted.", buckets=ITL_BUCKETS, registry=r)
+        self.request_rate = Histogram("specops_request_tokens_per_second", "Generated tokens per second of each "
+                                      "finished request, from its first token.", buckets=RATE_BUCKETS, registry=r)
+        self.draft_length = Histogram("specops_draft_length", "Tokens drafted per step, as the draft length "
+                                      "policy chose them.", buckets=DRAFT_BUCKETS, registry=r)
         self.bundle_info = Gauge("specops_bundle_info", "The model being served (value 1); version is the bundle "
                                  "hash, model_version the registry version.", ["version", "model_version", "drafter"],
                                  registry=r)
@@ -58,6 +73,8 @@ class ServerMetrics:
 
     def observe_generation(self, prompt_tokens: int, stats: GenerationStats) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        for drafted, _ in stats.per_step:
+            self.draft_length.observe(drafted)
         self.generated_tokens.inc(stats.new_tokens)
         self.target_steps.inc(stats.steps)
         self.drafted_tokens.inc(stats.drafted)

@@ -2,9 +2,10 @@
 
 Wrong types are a 400. Unknown top-level request fields are accepted and ignored, with a warning logged
 once per field name, as vLLM does: agent frameworks (LangChain and others) send fields of their own. OpenAI
-fields whose feature is not implemented here (logprobs, echo, tools, response_format, ...) are a 400 that
-names the feature when they ask for it, never silently dropped; n > 1, penalties and logit_bias are
-accepted only at their neutral value, because common client libraries send those defaults explicitly.
+fields whose feature is not implemented here (tools, response_format, suffix, ...) are a 400 that names
+the feature when they ask for it, never silently dropped; penalties and logit_bias are accepted only at
+their neutral value, because common client libraries send those defaults explicitly. `n` > 1 runs n
+independent generations; `logprobs` are the target's own (specops/core/sampling.py token_logprobs).
 `user` and a message's `name` are accepted and ignored; inside a message, unknown fields are still a 400.
 """
 
@@ -12,23 +13,26 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from specops.core.types import TokenLogprob
+from specops.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from specops.server.worker import Completion
 
 MAX_STOP_STRINGS = 4  # as in OpenAI's API
-# Accepted only at these values: one choice per request (the drafter serves one sequence at a time)
-# and no penalties (they would change the target distribution that verification preserves).
-NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# Accepted only at these values: penalties would change the target distribution that verification preserves.
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
+MAX_N = 16  # choices per request: each is a generation of its own and takes a queue slot
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's limits
 # Below it, logits / temperature can overflow (5e-324 makes every probability NaN), and the distribution is
 # greedy's in all but rounding anyway; vLLM raises smaller temperatures to the same value.
 MIN_TEMPERATURE = 0.01
 # OpenAI request fields whose feature this server does not implement: asking for one (any value but null,
 # false or empty) is a 400 naming it, since ignoring it would answer a different question.
-UNSUPPORTED = {"logprobs": "log-probabilities (logprobs)", "top_logprobs": "log-probabilities (top_logprobs)",
-               "echo": "echoing the prompt (echo)", "suffix": "insertion (suffix)",
+UNSUPPORTED = {"suffix": "insertion (suffix)",
                "response_format": "structured output (response_format)", "tools": "tool calling (tools)",
                "tool_choice": "tool calling (tool_choice)", "functions": "function calling (functions)",
                "function_call": "function calling (function_call)"}
@@ -98,7 +102,7 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; never stored
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # choice i samples with seed + i: the same as a request for one with that seed
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -133,7 +137,7 @@ class SamplingFields(StrictModel):
                        "\\ud800), which is not valid Unicode.", param=where[0] if where else None,
                        code="invalid_unicode")
 
-    @field_validator("n", "presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _neutral_only(cls, value: float, info: ValidationInfo) -> float:
         if value != NEUTRAL[info.field_name]:
@@ -174,6 +178,11 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]  # text (no chat template) or token ids
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS["completions"])
+    echo: bool = False  # the prompt comes back before the completion (with its tokens' logprobs when asked)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(StrictModel):
@@ -195,18 +204,53 @@ class ChatMessage(StrictModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS["chat"])
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_value")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def usage(completion: Completion) -> dict[str, Any]:
-    """OpenAI's token counts plus the speculative decoding counters of this request."""
-    stats = completion.stats
-    generated = len(completion.output_ids)
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated,
-            "total_tokens": completion.prompt_tokens + generated, "drafted": stats.drafted,
-            "accepted": stats.accepted, "mean_accepted_length": round(stats.mean_accepted_length, 4),
-            # A lossy mode's output is not the target's own: say so, and how lossy (specops/lossy/autojudge.py, arbitrage.py).
-            "lossy": stats.lossy, **({"lossy_mode": stats.lossy_mode, "lossy_threshold": stats.lossy_threshold}
-                                     if stats.lossy else {})}
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a text prompt as is, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def usage(completions: list[Completion]) -> dict[str, Any]:
+    """OpenAI's token counts (the prompt once, every choice's tokens) plus the speculative decoding counters."""
+    first = completions[0]
+    generated = sum(len(c.output_ids) for c in completions)
+    steps = sum(c.stats.steps for c in completions)
+    counts = {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated,
+              "total_tokens": first.prompt_tokens + generated,
+              "drafted": sum(c.stats.drafted for c in completions), "accepted": sum(c.stats.accepted for c in completions),
+              "mean_accepted_length": round(sum(c.stats.new_tokens for c in completions) / steps, 4) if steps else 0.0}
+    stats = first.stats  # every choice ran the same model and mode
+    # A lossy mode's output is not the target's own: say so, and how lossy (specops/lossy/autojudge.py, arbitrage.py).
+    return {**counts, "lossy": stats.lossy,
+            **({"lossy_mode": stats.lossy_mode, "lossy_threshold": stats.lossy_threshold} if stats.lossy else {})}
 
 
 def system_fingerprint(completion: Completion) -> str:
@@ -215,40 +259,66 @@ def system_fingerprint(completion: Completion) -> str:
     return f"bundle-{model.bundle_version}" if model.bundle_version else f"drafter-{model.drafter}"
 
 
-class ResponseBuilder:
-    """Builds the response and stream chunks of one request, for either endpoint."""
+@dataclass
+class Choice:
+    """One choice of a response as it is put together: its text and logprob entries so far, and its end."""
 
-    def __init__(self, chat: bool, request_id: str, model_name: str) -> None:
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    completion: Completion | None = None
+
+
+class ResponseBuilder:
+    """Builds the response and stream chunks of one request, for either endpoint. `text_of` is given when
+    the request asked for logprobs."""
+
+    def __init__(self, chat: bool, request_id: str, model_name: str, text_of: TokenText | None = None) -> None:
         self.chat = chat
         self.request_id = request_id
         self.model_name = model_name
+        self.text_of = text_of
         self.created = int(time.time())
+        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice, while streaming
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model_name,
                 "choices": choices}
 
-    def response(self, text: str, completion: Completion) -> dict[str, Any]:
+    def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...], offset: int) -> dict[str, Any] | None:
+        if self.text_of is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": completion.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": completion.finish_reason}
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        return {**body, "usage": usage(completion), "system_fingerprint": system_fingerprint(completion)}
+            return chat_logprobs(entries, self.text_of)
+        return completion_logprobs(entries, self.text_of, offset)
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-        """A stream chunk: the role announcement (chat only), a text delta, or the final finish_reason."""
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        completions = [c.completion for c in choices if c.completion is not None]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [
+            {"index": index, **({"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}),
+             "logprobs": self._logprobs(c.logprobs, 0),
+             "finish_reason": c.completion.finish_reason if c.completion else None}
+            for index, c in enumerate(choices)])
+        return {**body, "usage": usage(completions), "system_fingerprint": system_fingerprint(completions[0])}
+
+    def chunk(self, index: int = 0, text: str | None = None, logprobs: tuple[TokenLogprob, ...] = (),
+              finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+        """A stream chunk of choice `index`: the role announcement (chat only), a text delta with the
+        logprobs of its tokens, or the final finish_reason."""
+        scored = None
+        if logprobs and self.text_of is not None:
+            offset = self._offsets.get(index, 0)
+            scored = self._logprobs(logprobs, offset)
+            self._offsets[index] = offset + sum(len(self.text_of(e.token)[0]) for e in logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": scored, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": scored, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def usage_chunk(self, completion: Completion) -> dict[str, Any]:
+    def usage_chunk(self, completions: list[Completion]) -> dict[str, Any]:
         """The extra last chunk OpenAI sends with stream_options.include_usage: no choices, only usage."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        return {**body, "usage": usage(completion), "system_fingerprint": system_fingerprint(completion)}
+        return {**body, "usage": usage(completions), "system_fingerprint": system_fingerprint(completions[0])}

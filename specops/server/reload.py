@@ -5,7 +5,8 @@ alias polled), or a plain target + drafter without a bundle. On a new alias vers
 downloads it, finds the bundle root (the folder holding manifest.json), verifies every checksum,
 that the manifest hashes to what the registry recorded at register time (a re-hashed manifest
 passes the checksums) and the target fingerprint against the loaded target, and hands it to the
-worker, which warms it up with a greedy and a sampled request and swaps it in between two requests.
+worker, which warms it up with a greedy and a sampled request and swaps it in for the next requests
+(generations already running finish on the old model).
 A version that fails is refused, logged and counted, and the old model keeps serving; it is tried
 again only if the alias moves on.
 
@@ -39,13 +40,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SWAP_TIMEOUT_S = 600.0  # waits for the running request to end, then the warm-up generations
 
 
 def plain_model(config: ServerConfig, target: Target | None = None) -> ServedModel:
     """The configured target and drafter, without a bundle (e.g. --drafter none as a baseline)."""
     target = target or load_target(config.target or DEFAULT_TARGET, config.dtype)
-    decoding = DecodingConfig(drafter=config.drafter)
+    width = config.static_width
+    decoding = DecodingConfig(drafter=config.drafter, static_width=width,
+                              **({"draft_tokens": min(DecodingConfig.draft_tokens, width - 1)} if width else {}))
     drafter = build_drafter(config.drafter, target, decoding, config.draft_model)
     return ServedModel(TextGenerator(target, drafter, decoding), drafter=config.drafter)
 

@@ -24,16 +24,21 @@ class TextStream:
         self._ids: list[int] = []
         self._sent = 0  # characters of the decoded text already returned
         self.stopped = False
+        self.stop_tokens: int | None = None  # once stopped: how many tokens it took to complete the stop string
 
     def push(self, ids: Sequence[int]) -> str:
         """Add newly committed tokens; return the text that is now final."""
         if self.stopped:
             return ""
+        before = len(self._ids)
         self._ids.extend(ids)
         text = self._decode()
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         if hits:
             self.stopped = True
+            # The stop string was not in the text before these tokens: one of them completed it.
+            self.stop_tokens = next((m for m in range(before + 1, len(self._ids) + 1) if self._has_stop(m)),
+                                    len(self._ids))
             return self._advance(text, min(hits))
         safe = len(text.rstrip(REPLACEMENT))
         return self._advance(text, safe - self._stop_prefix(text[:safe]))
@@ -44,6 +49,10 @@ class TextStream:
             return ""
         text = self._decode()
         return self._advance(text, len(text))
+
+    def _has_stop(self, tokens: int) -> bool:
+        text = self._tokenizer.decode(self._ids[:tokens], skip_special_tokens=True)
+        return any(s in text for s in self._stop)
 
     def _decode(self) -> str:
         # Decoding the whole output each step keeps merges across token boundaries right; outputs are

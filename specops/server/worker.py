@@ -1,9 +1,12 @@
-"""The generation worker: one thread runs one generation at a time, fed by a bounded queue.
+"""The generation worker: generation slots, fed by a bounded queue, decoding side by side.
 
-Drafters keep per-sequence state (a draft LM has its own KV cache), so a TextGenerator serves one
-request at a time. Requests wait in a bounded queue, and a full queue is refused (429) instead of
-letting latency grow without bound. A hot reload is applied on this same thread between two
-requests, after a warm-up of the new model, so no request ever sees a half-swapped model.
+Each slot is a thread that takes a request from the queue and runs its whole generation with a fork of
+the served generator (drafters keep per-sequence state, so each concurrent generation has its own).
+When the model can batch exactly (the eager static runtime in bf16: specops.core.batching), the slots'
+target passes run batched: requests join and leave the batch between passes, and a request's output is
+bitwise what it would be alone. Otherwise one fork exists and requests run one at a time. A full queue
+is refused (429) instead of letting latency grow without bound. A hot reload warms the new model up on
+the caller's thread and swaps it in atomically: generations already running finish on the old one.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from specops.core.loop import GenerationRequestError
+from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher
+from specops.core.cost_model import measure_cost_model
+from specops.core.llama import llama_forward
+from specops.core.loop import GenerationRequestError, prompt_logprobs
 from specops.core.target import Target
-from specops.core.types import GenerationStats, SamplingParams
+from specops.core.types import Generation, GenerationStats, SamplingParams, TokenLogprob
 from specops.server.feedback import FeedbackLog, FeedbackRecord
 from specops.server.generator import TextGenerator
 from specops.server.metrics import ServerMetrics
@@ -75,6 +80,7 @@ class Completion:
 @dataclass(frozen=True)
 class Delta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens committed since the last delta, when the job asked
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,19 @@ class Job:
     stop: list[str]
     prompt_text: str | None
     emit: Callable[[Event], None]  # called on the worker thread, so it must be thread-safe
+    logprobs: int | None = None  # None: no logprobs; k: each token's and its k most likely alternatives'
+    echo: str | None = None  # the prompt as text, sent first (with its tokens' logprobs when asked for)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)  # set when nobody awaits the result
+
+
+def _unsent(generation: Generation, text: TextStream, sent: int) -> tuple[TokenLogprob, ...]:
+    """Logprob entries not yet emitted; after a stop string, none past the token that completed it (the
+    text ends before the stop string, and the tokens after it were never part of the answer)."""
+    if generation.logprobs is None:
+        return ()
+    end = text.stop_tokens if text.stop_tokens is not None else len(generation.logprobs)
+    return tuple(generation.logprobs[sent:end])
 
 
 def _feedback_refusal(failure: str) -> Failed:
@@ -117,91 +134,134 @@ class QueueFullError(RuntimeError):
     """Every queue slot is taken; the client should retry later."""
 
 
+@dataclass(frozen=True)
+class Serving:
+    """A served model and the generator forks its slots take, one per generation decoding at a time."""
+
+    model: ServedModel
+    forks: list[TextGenerator]  # the idle ones; taken and given back under the worker's lock
+    batcher: PassBatcher | None
+
+
 class GenerationWorker:
     def __init__(self, model: ServedModel, queue_size: int, metrics: ServerMetrics,
-                 feedback: FeedbackLog | None) -> None:
-        self._model = model
+                 feedback: FeedbackLog | None, slots: int = 1, window_s: float = DEFAULT_WINDOW_S) -> None:
+        self._serving = Serving(model, [], None)  # forks come with the warm-up, in start()
+        self._idle = threading.Condition()  # a slot waits on it for a job and a free fork, together
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._metrics = metrics
         self._feedback = feedback
-        self._pending: tuple[ServedModel, Future[None]] | None = None
-        self._pending_lock = threading.Lock()
+        self._slots = slots
+        self._window_s = window_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specops-generation", daemon=True)
+        self._boot = threading.Thread(target=self._start_slots, name="specops-warm-up", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=f"specops-generation-{i}", daemon=True)
+                         for i in range(slots)]
         self.ready = threading.Event()
         self.failure: str | None = None  # why the worker could not start, for /ready
         # Why the feedback log cannot be written; requests are refused meanwhile, since the log promises a row
-        # for every answer. The worker retries a write every FEEDBACK_RETRY_S until one succeeds.
+        # for every answer. A slot retries a write every FEEDBACK_RETRY_S until one succeeds.
         self.feedback_failure: str | None = None
         self._next_feedback_retry = 0.0
+        self._retry_lock = threading.Lock()
         metrics.watch_queue(self._queue.qsize)
         metrics.set_serving(model.bundle_version, model.model_version, model.drafter)
 
     @property
     def model(self) -> ServedModel:
-        return self._model
+        return self._serving.model
+
+    @property
+    def batched(self) -> bool:
+        return self._serving.batcher is not None
 
     def start(self) -> None:
-        self._thread.start()
+        self._boot.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        for thread in (self._boot, *self._threads):
+            if thread.is_alive():
+                thread.join(timeout)
 
     def submit(self, job: Job) -> None:
+        self._metrics.queue_depth_seen.observe(self._queue.qsize())
         try:
             self._queue.put_nowait(job)
         except queue.Full as error:
             raise QueueFullError(f"All {self._queue.maxsize} queue slots are taken.") from error
+        with self._idle:
+            self._idle.notify()
 
-    def swap(self, model: ServedModel, timeout: float) -> None:
-        """Warm `model` up on the worker thread, then serve it from the next request on.
+    def _serving_of(self, model: ServedModel) -> Serving:
+        """The forks of `model`'s generator: one per slot, batched, when it batches exactly; else one."""
+        batcher = None
+        if self._slots > 1 and model.generator.batchable:
+            # Pass times up to a full batch's rows, so drafts shrink where rows stop being free (SmartSpec).
+            sizes = tuple(sorted({1, 2, 4, 8, 16, self._slots * model.generator.config.static_width}))
+            cost = measure_cost_model(model.target.model, model.generator.fork(None).drafter, sizes=sizes)
+            batcher = PassBatcher(llama_forward(model.target.model)[0], self._window_s,
+                                  on_batch=self._metrics.batch_size.observe, cost=cost)
+        elif self._slots > 1:
+            log.warning("The model's runtime cannot batch passes exactly (it needs the eager static runtime in "
+                        "bfloat16: static_width > 0, compiled off): serving one request at a time.")
+        forks = [model.generator.fork(batcher) for _ in range(self._slots)] if batcher is not None else [model.generator]
+        return Serving(model, forks, batcher)
 
-        Blocks until done; raises whatever the warm-up raised, and then the old model keeps serving.
-        """
-        done: Future[None] = Future()
-        with self._pending_lock:
-            self._pending = (model, done)
+    def _start_slots(self) -> None:
+        model = self._serving.model
         try:
-            done.result(timeout)
-        except TimeoutError:
-            if done.cancel():  # not started: the worker will skip it
-                raise TimeoutError(f"The worker did not take the new model within {timeout:.0f} s.") from None
-            done.result()  # the warm-up already started: its outcome decides
-
-    def _run(self) -> None:
-        try:
-            warm_up(self._model)
+            warm_up(model)
+            self._serving = self._serving_of(model)
         except Exception as error:  # any failure here means the model cannot serve; /ready reports it
             log.exception("Warm-up of the model failed; the server will not become ready.")
             self.failure = f"warm-up failed: {error}"
             return
         self.ready.set()
-        while not self._stop.is_set():
-            self._apply_pending_swap()
-            self._retry_feedback()
-            try:
-                job = self._queue.get(timeout=IDLE_POLL_S)
-            except queue.Empty:
-                continue
-            self._serve(job)
+        for thread in self._threads:
+            thread.start()
 
-    def _apply_pending_swap(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        model, done = pending
-        if not done.set_running_or_notify_cancel():  # the caller stopped waiting
-            return
-        try:
-            warm_up(model)
-        except Exception as error:  # a reload must never take the serving model down with it
-            done.set_exception(error)
-            return
-        self._model = model
+    def swap(self, model: ServedModel) -> None:
+        """Warm `model` up on this thread, then serve it from the next request on; generations already
+        running finish on the old model. Raises whatever the warm-up raised, and the old model keeps serving."""
+        warm_up(model)
+        serving = self._serving_of(model)
+        with self._idle:
+            self._serving = serving
+            self._idle.notify_all()
         self._metrics.set_serving(model.bundle_version, model.model_version, model.drafter)
-        done.set_result(None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._retry_feedback()
+            taken = self._take()
+            if taken is None:
+                continue
+            serving, generator, job = taken
+            self._metrics.active.inc()
+            try:
+                self._serve(job, serving.model, generator)
+            finally:
+                self._metrics.active.dec()
+                with self._idle:
+                    serving.forks.append(generator)
+                    self._idle.notify()
+
+    def _take(self) -> tuple[Serving, TextGenerator, Job] | None:
+        """A queued job and a free fork of the model serving now, taken together (a request stays queued, and
+        counted, until a fork can decode it); None after waiting IDLE_POLL_S for both."""
+        with self._idle:
+            serving = self._serving
+            if not (serving.forks and self._queue.qsize()):
+                self._idle.wait(IDLE_POLL_S)
+                serving = self._serving
+                if not (serving.forks and self._queue.qsize()):
+                    return None
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            return serving, serving.forks.pop(), job
 
     def feedback_refusal(self) -> Failed | None:
         """The 503 for requests while the feedback log cannot be written; None when it can."""
@@ -211,27 +271,29 @@ class GenerationWorker:
     def _retry_feedback(self) -> None:
         if self._feedback is None or self.feedback_failure is None or time.monotonic() < self._next_feedback_retry:
             return
-        try:
-            self._feedback.probe()
-        except sqlite3.Error as error:
-            self._feedback_failed(error)
-            return
-        log.info("The feedback log can be written again; serving resumes.")
-        self.feedback_failure = None
+        with self._retry_lock:  # one slot probes; the others see the outcome
+            if self.feedback_failure is None or time.monotonic() < self._next_feedback_retry:
+                return
+            try:
+                self._feedback.probe()
+            except sqlite3.Error as error:
+                self._feedback_failed(error)
+                return
+            log.info("The feedback log can be written again; serving resumes.")
+            self.feedback_failure = None
 
     def _feedback_failed(self, error: sqlite3.Error) -> None:
         self.feedback_failure = str(error)
         self._next_feedback_retry = time.monotonic() + FEEDBACK_RETRY_S
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, model: ServedModel, generator: TextGenerator) -> None:
         if job.cancelled.is_set():  # the client left or timed out while queued
             return
         if (refusal := self.feedback_refusal()) is not None:  # queued before the log failed
             job.emit(refusal)
             return
-        model = self._model
         try:
-            completion = self._generate(job, model)
+            completion = self._generate(job, model, generator)
         except GenerationRequestError as error:
             job.emit(Failed(400, str(error), "invalid_request_error"))
             return
@@ -244,31 +306,45 @@ class GenerationWorker:
         # Committed before the last event, hence before the response ends; an answer without its row fails.
         job.emit(self._record(job, completion) or Finished(completion))
 
-    def _generate(self, job: Job, model: ServedModel) -> Completion | None:
+    def _generate(self, job: Job, model: ServedModel, generator: TextGenerator) -> Completion | None:
         """Run one generation, emitting text deltas; None when the job was cancelled midway."""
         text = TextStream(model.target.tokenizer, job.stop)
+        if job.echo is not None:
+            scored = (TokenLogprob(job.prompt_ids[0], None), *prompt_logprobs(model.target, job.prompt_ids, job.logprobs)) \
+                if job.logprobs is not None else ()
+            job.emit(Delta(job.echo, scored))
         # The loop polls the job between prefill chunks, so an abandoned long prompt frees the worker within one.
-        stream = model.generator.generator(job.sampling).stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
-                                                                job.cancelled.is_set)
-        first = True
+        stream = generator.generator(job.sampling).stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
+                                                          job.cancelled.is_set, job.logprobs)
+        first: float | None = None  # when the first token came
+        last = 0.0
+        sent = 0  # logprob entries already emitted
         try:
             for ids in stream:
-                if first:
-                    self._metrics.ttft.observe(time.perf_counter() - job.arrived)
-                    first = False
+                now = time.perf_counter()
+                if first is None:
+                    self._metrics.ttft.observe(now - job.arrived)
+                    first = now
+                else:
+                    self._metrics.inter_token.observe((now - last) / len(ids))
+                last = now
                 delta = text.push(ids)
                 if delta:
-                    job.emit(Delta(delta))
+                    scored = _unsent(stream.generation, text, sent)
+                    sent += len(scored)
+                    job.emit(Delta(delta, scored))
                 if text.stopped or job.cancelled.is_set():
                     break
         finally:
             stream.close()  # stops the loop and frees its KV cache when we left early
         if job.cancelled.is_set():
             return None
-        tail = text.finish()
-        if tail:
-            job.emit(Delta(tail))
+        tail, scored = text.finish(), _unsent(stream.generation, text, sent)
+        if tail or scored:
+            job.emit(Delta(tail, scored))
         generation = stream.generation
+        if first is not None and last > first:
+            self._metrics.request_rate.observe((len(generation.token_ids) - 1) / (last - first))
         finish = "stop" if text.stopped or generation.finish_reason == "stop" else "length"
         return Completion(finish_reason=finish, prompt_tokens=len(job.prompt_ids),
                           output_ids=list(generation.token_ids), stats=generation.stats, model=model)

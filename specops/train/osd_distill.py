@@ -47,7 +47,7 @@ from specops.train.train_draft import (
     draft_logits,
     save_draft,
 )
-from specops.train.trainer import TrainerConfig, build_trainer
+from specops.train.trainer import RunTracker, TrainerConfig, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,17 @@ class OSDConfig(TrainerConfig):
     replay_weight: float = 1.0
     """Weight of the replay loss next to the served one; each is a mean over its own positions."""
     lr: float = 1e-4
-    """AdamW learning rate (constant): lower than train_draft's, the draft only needs to adapt."""
+    """AdamW learning rate: lower than train_draft's, the draft only needs to adapt."""
+    lr_schedule: str = "constant"
+    """Constant, without warm-up: a retrain is a few dozen steps of adaptation, which a decay would only shrink."""
+    warmup_ratio: float = 0.0
     epochs: int = 2
     """Passes over the served + replay sequences."""
     max_seq_len: int = 512
     log_every_n_steps: int = 1  # a retrain is a few dozen steps
+    checkpoint_dir: str | None = None
+    """Must stay null: a retrain keeps no checkpoints (it is a few dozen steps on one window, has no val
+    split to select by, and a failed one reruns on the same window)."""
     train_embeddings: bool = False
     """Also train the embeddings and LM head. Off by default: the copied target head is already right,
     and on a CPU the vocabulary-sized head dominates the backward pass."""
@@ -104,7 +110,7 @@ class OSDConfig(TrainerConfig):
     bundle_dir: str = "models/osd_bundle"
     """The challenger bundle, as registered."""
     eval_out: str = "metrics/osd_eval.json"
-    """Challenger and champion on both slices (DVC metrics)."""
+    """Challenger and champion on both slices (an out of osd/dvc.yaml, as are every step's reports)."""
     plot: str = "metrics/osd/acceptance_per_position.png"
     """Per-position acceptance of both drafters on the held-out traffic."""
     decision_file: str = "metrics/osd_promotion.json"
@@ -118,6 +124,8 @@ class OSDConfig(TrainerConfig):
         if self.loss not in LOSSES:
             raise ValueError(f"osd.loss '{self.loss}' is unknown. Choose one of: {', '.join(LOSSES)}.")
         self.check_trainer("osd")
+        if self.checkpoint_dir is not None:
+            raise ValueError("osd.checkpoint_dir must be null: a retrain keeps no checkpoints and does not resume.")
         if self.min_rows < 2 or self.max_rows < self.min_rows:
             raise ValueError(f"osd: need 2 <= min_rows <= max_rows (a window is split into training and held-out "
                              f"requests), got min_rows={self.min_rows}, max_rows={self.max_rows}.")
@@ -210,9 +218,9 @@ class OSDDistillation(DraftDistillation):
     """DraftDistillation whose loss is mean(served positions) + replay_weight * mean(replay positions),
     so the served mistakes keep their weight however many replay positions a batch holds."""
 
-    def __init__(self, draft: PreTrainedModel, loss: str, lr: float, weight_decay: float, replay_weight: float,
+    def __init__(self, draft: PreTrainedModel, loss: str, cfg: TrainerConfig, replay_weight: float,
                  vocab: torch.Tensor | None = None) -> None:
-        super().__init__(draft, loss, lr, weight_decay, vocab)
+        super().__init__(draft, loss, cfg, vocab)
         self.replay_weight = replay_weight
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -272,10 +280,11 @@ def osd_distill(cfg: OSDConfig, target: Target, parent_dir: Path, served_dir: Pa
     draft.train()  # from_pretrained and the mask pass left it in eval mode; Lightning keeps modules' modes
     loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate_mixed,
                         generator=torch.Generator().manual_seed(cfg.seed))
-    module = OSDDistillation(draft, cfg.loss, cfg.lr, cfg.weight_decay, cfg.replay_weight, vocab)
+    module = OSDDistillation(draft, cfg.loss, cfg, cfg.replay_weight, vocab)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name, "parent": str(parent_dir)})
-    trainer = build_trainer(cfg, logger, has_val=False)
+    tracker = RunTracker(cfg, "osd")
+    trainer = build_trainer(cfg, logger, has_val=False, tracker=tracker)
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     report = {
@@ -285,7 +294,7 @@ def osd_distill(cfg: OSDConfig, target: Target, parent_dir: Path, served_dir: Pa
         "parent_agreement": round(1 - served.focus_positions / max(served.served_positions, 1), 4)
         if cfg.focus == "rejected" else None,
         "replay_sequences": len(data) - len(served), "steps": trainer.global_step,
-        "final_loss": float(trainer.callback_metrics["train/loss"]), "loss": cfg.loss, "focus": cfg.focus,
+        "final_loss": tracker.train[-1]["loss"], "loss": cfg.loss, "focus": cfg.focus,
         "seconds": round(time.perf_counter() - start, 3),
     }
     state = full_state_dict(draft, trainer.strategy)

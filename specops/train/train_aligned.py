@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,8 @@ from specops.train.aligned_losses import (
     teacher_in_draft_vocab,
     topk_hits,
 )
-from specops.train.strategies import full_state_dict
 from specops.train.train_draft import check_traces
-from specops.train.trainer import TraceDataModule, TrainerConfig, build_trainer
+from specops.train.trainer import TraceDataModule, TrainerConfig, adamw, fit
 from specops.train.vocab import frequent_vocabulary, target_to_draft
 
 log = logging.getLogger(__name__)
@@ -78,7 +76,7 @@ class TrainAlignedConfig(TrainerConfig):
     step_decay: float = 0.8
     """Step j's losses weigh step_decay**j (EAGLE-3): early drafts matter most."""
     lr: float = 5e-4
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate, reached after the warm-up."""
     max_seq_len: int = 512
     """Head positions per sequence; longer sequences are cut (the start is kept)."""
     gradient_clip_val: float = 0.5
@@ -192,8 +190,8 @@ class AlignedTraining(pl.LightningModule):
         self.log_dict({f"val/{name}": value for name, value in out.items()}, batch_size=len(batch["tokens"]),
                       sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.head.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+    def configure_optimizers(self) -> dict[str, Any]:
+        return adamw(self.head.parameters(), self.cfg, self.trainer.estimated_stepping_batches)
 
 
 def head_config(target: Target, cfg: TrainAlignedConfig, hidden_layers: list[int]) -> AlignedHeadConfig:
@@ -243,27 +241,23 @@ def train_aligned(cfg: TrainAlignedConfig, target: Target, traces_dir: Path | st
     data = TraceDataModule(traces_dir, AlignedDataset, collate, cfg.batch_size, cfg.max_seq_len, cfg.seed)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
-    trainer = build_trainer(cfg, logger, data.has_val)
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=data)
-    seconds = time.perf_counter() - start
-    final_loss = float(trainer.callback_metrics["train/loss"])
-    # Validate the final weights once more: max_steps can stop training before an epoch's validation.
-    val = trainer.validate(module, datamodule=data, verbose=False)[0] if data.has_val else {}
+    fitted = fit(cfg, "train_aligned", module, data, logger)
+    val = fitted.val_metrics  # of the exported weights
     report = {
-        "final_loss": final_loss, "val_loss": val.get("val/loss"),
+        **fitted.report,
         "val_acc_per_step": [val.get(f"val/acc_step{j}") for j in range(cfg.ttt_steps)] if val else None,
-        "steps": trainer.global_step, "seconds": round(seconds, 3), "hidden_layers": head.config.hidden_layers,
+        "hidden_layers": head.config.hidden_layers,
         "draft_vocab_size": head.config.draft_vocab_size, "draft_vocab_coverage": round(coverage, 4),
         "parameters": sum(p.numel() for p in head.parameters()),
     }
-    state = full_state_dict(head, trainer.strategy)
-    if trainer.is_global_zero:
+    state = fitted.weights(head)  # the best validation's
+    if fitted.trainer.is_global_zero:
         saved = AlignedHead(head.config)  # fresh: nothing of the strategy's wrapping reaches the file
         saved.load_state_dict({name: tensor.float() if tensor.is_floating_point() else tensor
                                for name, tensor in state.items()})
         out = save_head(saved, cfg.out_dir)
         info = {"target": target.fingerprint.to_dict(), "config": asdict(cfg), "report": report}
         (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    fitted.finish()
     log.info("train_aligned: %s", report)
     return report

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +44,7 @@ from specops.data.traces import TraceShards, next_token_mask
 from specops.drafters.draft_lm import VOCAB_FILE, save_draft_vocab
 from specops.train.aligned_losses import soft_cross_entropy, teacher_in_draft_vocab
 from specops.train.losses import LOSSES
-from specops.train.strategies import full_state_dict
-from specops.train.trainer import TraceDataModule, TrainerConfig, build_trainer
+from specops.train.trainer import TraceDataModule, TrainerConfig, adamw, fit
 from specops.train.vocab import frequent_vocabulary, target_to_draft
 
 log = logging.getLogger(__name__)
@@ -197,12 +195,11 @@ def draft_logits(draft: PreTrainedModel, input_ids: torch.Tensor, attention_mask
 class DraftDistillation(pl.LightningModule):
     """Distills the target's stored top-k distributions into the draft with a loss from LOSSES."""
 
-    def __init__(self, draft: LlamaForCausalLM, loss: str, lr: float, weight_decay: float,
-                 vocab: torch.Tensor | None = None) -> None:
+    def __init__(self, draft: LlamaForCausalLM, loss: str, cfg: TrainerConfig, vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         self.draft = draft
         self.loss_fn = LOSSES[loss]
-        self.lr, self.weight_decay = lr, weight_decay
+        self.cfg = cfg
         self.vocab = vocab
         if vocab is not None:
             self.register_buffer("to_draft", target_to_draft(vocab, draft.config.vocab_size), persistent=False)
@@ -226,9 +223,9 @@ class DraftDistillation(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), prog_bar=True, batch_size=len(batch["input_ids"]), sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> dict[str, Any]:
         trainable = [p for p in self.draft.parameters() if p.requires_grad]
-        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay)
+        return adamw(trainable, self.cfg, self.trainer.estimated_stepping_batches)
 
 
 def check_traces(traces_dir: Path, target: Target) -> None:
@@ -280,25 +277,19 @@ def train_draft(cfg: TrainDraftConfig, target: Target, traces_dir: Path | str, l
     vocab, coverage = (None, 1.0) if cfg.draft_vocab_size is None else frequent_vocabulary(
         TraceShards(traces_dir / "train", fields=("input_ids", "loss_mask")), min(cfg.draft_vocab_size, target.vocab_size),
         target)
-    module = DraftDistillation(draft, cfg.loss, cfg.lr, cfg.weight_decay, vocab)
+    module = DraftDistillation(draft, cfg.loss, cfg, vocab)
     data = TraceDataModule(traces_dir, DistillDataset, collate, cfg.batch_size, cfg.max_seq_len, cfg.seed)
     if logger is not None:
         logger.log_hyperparams({**asdict(cfg), "target": target.fingerprint.name})
-    trainer = build_trainer(cfg, logger, data.has_val)
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=data)
-    seconds = time.perf_counter() - start
-    final_loss = float(trainer.callback_metrics["train/loss"])
-    # Validate the final weights once more: max_steps can stop training before an epoch's validation.
-    val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"] if data.has_val else None
+    fitted = fit(cfg, "train_draft", module, data, logger)
     report = {
-        "final_loss": final_loss, "val_loss": val_loss, "steps": trainer.global_step, "seconds": round(seconds, 3),
-        "loss": cfg.loss if vocab is None else "soft_cross_entropy (draft vocabulary)", "parameters": parameters,
-        "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": round(coverage, 4),
+        **fitted.report, "loss": cfg.loss if vocab is None else "soft_cross_entropy (draft vocabulary)",
+        "parameters": parameters, "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": round(coverage, 4),
     }
-    state = full_state_dict(draft, trainer.strategy)
-    if trainer.is_global_zero:
+    state = fitted.weights(draft)  # the best validation's
+    if fitted.trainer.is_global_zero:
         info = {"target": target.fingerprint.to_dict(), "config": asdict(cfg), "report": report}
         save_draft(state, draft, target, Path(cfg.out_dir), info, vocab)
+    fitted.finish()
     log.info("train_draft: %s", report)
     return report

@@ -88,7 +88,7 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
     assert set(model.aliases) == {"challenger", "champion"}
     decision = json.loads((project / "metrics" / "promotion.json").read_text())
     assert decision["passed"], decision
-    evaluation = json.loads((project / "metrics" / "eval.json").read_text())
+    evaluation = json.loads((project / "metrics" / "eval_report.json").read_text())
     assert MethodSpec.parse(evaluation["default"]["method"]).kind in params_of(project)["evaluate"][
         "bundle_drafters"]
     # Lossless on the serving runtime: every method is bitwise our plain decoding in the same dtype.
@@ -129,7 +129,7 @@ def test_retrain_is_gated_against_the_champion_in_the_same_eval(project, first_r
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     result = run(["dvc", "repro"], project)
     assert "Running stage 'train_draft'" in result.stdout and "Running stage 'prepare'" not in result.stdout
-    evaluation = json.loads((project / "metrics" / "eval.json").read_text())
+    evaluation = json.loads((project / "metrics" / "eval_report.json").read_text())
     assert evaluation["champion"]["method"] == "champion"  # the old champion ran in the same benchmark
     decision = json.loads((project / "metrics" / "promotion.json").read_text())
     assert decision["challenger_version"] == "2" and decision["previous_champion_version"] == "1"

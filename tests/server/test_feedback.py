@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pyarrow.parquet as pq
@@ -16,7 +16,7 @@ from specops.server.commands import _config, register
 from specops.server.feedback import FeedbackLog, FeedbackRecord, export, parse_since
 from tests.server.conftest import PROMPTS, served
 
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 def record(i: int, when: datetime = T0, text: str | None = None) -> FeedbackRecord:

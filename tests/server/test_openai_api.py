@@ -111,13 +111,18 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "w1", "temperature": -0.5}, 400, "temperature"),
     (COMPLETIONS, {"prompt": "w1", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "w1", "top_p": 1.5}, 400, "top_p"),
-    (COMPLETIONS, {"prompt": "w1", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"prompt": "w1", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"prompt": "w1", "n": 17}, 400, "n"),  # over MAX_N
     (COMPLETIONS, {"prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty"),
     (COMPLETIONS, {"prompt": "w1", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     (COMPLETIONS, {"prompt": "w1", "seed": 2**70}, 400, "seed"),
     (COMPLETIONS, {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    (COMPLETIONS, {"prompt": "w1", "logprobs": 3}, 400, "logprobs"),  # asked for, not implemented
-    (COMPLETIONS, {"prompt": "w1", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "w1", "logprobs": 6}, 400, "logprobs"),  # over OpenAI's 5
+    (COMPLETIONS, {"prompt": "w1", "echo": "yes"}, 400, "echo"),
+    (CHAT, {"messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "w1"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    (COMPLETIONS, {"prompt": "w1", "suffix": "w2"}, 400, "suffix"),  # asked for, not implemented
     (CHAT, {"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     (CHAT, {"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]}, 400, "tools"),

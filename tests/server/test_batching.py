@@ -1,0 +1,71 @@
+"""Continuous batching through a real server: concurrent requests decode together (their target passes
+batched) and each one's output, text and logprobs, greedy and sampled, is bitwise what it is alone.
+Every request leaves its feedback row. A model that cannot batch exactly serves one at a time."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from specops.core.target import target_from_model
+from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.kinds import DecodingConfig
+from specops.drafters.prompt_lookup import PromptLookupDrafter
+from specops.server.generator import TextGenerator
+from specops.server.worker import ServedModel
+from tests.conftest import tiny_llama, tiny_tokenizer
+from tests.server.conftest import PROMPTS, metric, served
+from tests.server.test_openai_api import client
+
+WIDTH = 5
+
+
+@pytest.fixture(scope="module")
+def bf16_target():
+    return target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "tiny-bf16")
+
+
+def bf16_model(target, drafter: str) -> ServedModel:
+    config = DecodingConfig(drafter=drafter, static_width=WIDTH, draft_tokens=WIDTH - 1)
+    made = (PromptLookupDrafter(3) if drafter == "prompt-lookup"
+            else DraftLMDrafter(tiny_llama(1, layers=1, hidden=32, dtype=torch.bfloat16), target.vocab_size))
+    return ServedModel(TextGenerator(target, made, config), drafter=drafter)
+
+
+def ask(url: str, index: int) -> tuple[str, list[float]]:
+    """Request `index`: greedy or sampled (its own seed), with logprobs."""
+    reply = client(url).chat.completions.create(
+        model="specops", messages=[{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}], max_tokens=32,
+        logprobs=True, **({"temperature": 0} if index % 2 == 0 else {"temperature": 0.9, "seed": index}))
+    choice = reply.choices[0]
+    return choice.message.content, [entry.logprob for entry in choice.logprobs.content]
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-lm"])
+def test_concurrent_requests_are_bitwise_what_they_are_alone(start_server, bf16_target, drafter):
+    live = start_server(model=bf16_model(bf16_target, drafter), max_batch=4, batch_window_ms=20)
+    assert live.state.worker.batched
+    requests = list(range(8))
+    alone = [ask(live.url, i) for i in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda i: ask(live.url, i), requests))
+    assert together == alone
+    text = httpx.get(live.url + "/metrics").text
+    batches = metric(text, "specops_batch_size_count")
+    single = metric(text, "specops_batch_size_bucket", 'le="1.0"')
+    assert batches > single > 0  # some passes ran alone (the requests one by one), others packed
+    assert live.state.feedback.count() == 2 * len(requests)
+
+
+def test_a_model_that_cannot_batch_exactly_serves_one_at_a_time(start_server, target):
+    """The fp32 tiny target on the dynamic runtime: one fork, so the slots take turns."""
+    live = start_server(model=served(target), max_batch=4)
+    assert not live.state.worker.batched
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda i: ask(live.url, 2 * i), range(3)))
+    # Greedy texts (the recycling drafter's trees change between requests, so fp32 logprobs round differently).
+    assert [text for text, _ in replies] == [ask(live.url, 2 * i)[0] for i in range(3)]
+    assert metric(httpx.get(live.url + "/metrics").text, "specops_batch_size_count") == 0
