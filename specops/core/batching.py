@@ -4,15 +4,17 @@ Each generation runs its own loop on its own thread (drafting, verification rule
 and hands its fixed-width target passes to a `PassBatcher`. The batcher collects the passes that
 arrive together and runs them as one `LlamaForward.forward_many`: the matrix products read the
 weights once for every sequence's rows, attention runs per sequence over its own cache. Requests
-join and leave between passes, and each keeps its own positions and width, so nothing is padded to
-another request's length (EMS-SD's point, arXiv 2405.07542, reached here by packing each sequence's
-rows and attending per sequence rather than with a padded batch).
+join and leave between passes, and each keeps its own positions, cache length and width, so no
+sequence is padded to another's length (EMS-SD's point, arXiv 2405.07542, reached here by packing
+each sequence's rows and attending per sequence rather than with a padded batch).
 
-Exactness: a row's logits are bitwise the same alone or in any batch when the products are
-batch-invariant over the row count. bf16 `F.linear` is on this CPU (every SmolLM2 weight shape, 1 to
-80 rows, 1 and 2 threads; tests/core/test_batching.py checks it on the model); fp32 is not (MKL picks
-other kernels for other row counts at 2 threads), so `batch_invariant` refuses fp32 targets and a
-server then runs one generation at a time.
+Exactness: a row's logits are bitwise the same alone or in any batch when the products do not depend
+on the pass's row count and each sequence's attention call keeps its shape. bf16 `F.linear` agreed
+over 2 to 96 rows for every SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel,
+hence `llama.MIN_ROWS`); SDPA rows changed with the query count on the real target, hence the fixed
+width per sequence. fp32 products are not invariant (MKL picks other kernels for other row counts at
+2 threads), so `batch_invariant` refuses fp32 targets and a server then runs one generation at a time.
+tests/core/test_batching.py checks this on small models; benchmarks/load_test.py on the real target.
 
 Who runs a batch: the thread whose pass completes the set of registered sequences, or the first whose
 wait exceeds `window_s` (a sequence still drafting does not hold the others back longer than that).

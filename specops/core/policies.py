@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Protocol
 
+from specops.core.types import PRIOR_ACCEPTANCE, PRIOR_TOKENS
+
 # Annotations only: the CLI imports POLICIES to build its parser, which must stay free of torch.
 if TYPE_CHECKING:
     from specops.core.cost_model import CostModel
@@ -180,8 +182,8 @@ class GoodputPolicy:
     stop = None
     trim = None
 
-    def __init__(self, max_tokens: int, cost: CostModel, prior_acceptance: float = 0.6, prior_tokens: float = 4.0,
-                 decay: float = 0.95) -> None:
+    def __init__(self, max_tokens: int, cost: CostModel, prior_acceptance: float = PRIOR_ACCEPTANCE,
+                 prior_tokens: float = PRIOR_TOKENS, decay: float = 0.95) -> None:
         """`prior_acceptance` is assumed before any step, with the weight of `prior_tokens` observed
         tokens; each step's evidence decays by `decay`, so the estimate follows roughly the last
         1 / (1 - decay) steps. The estimate persists across requests: it describes the drafter and

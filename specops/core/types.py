@@ -11,6 +11,12 @@ DEFAULT_DRAFT_TOKENS = 6
 DEFAULT_PREFILL_CHUNK = 512
 
 
+# Per-token draft acceptance assumed before any evidence, weighted as this many observed tokens (the goodput
+# policy's prior, and a request's running estimate under batching).
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_TOKENS = 4.0
+
+
 def check_runtime(static_width: int, compiled: bool, prefill_chunk: int) -> None:
     """The target runtime's settings, checked where a config is built and where a generator is."""
     if static_width < 0:
@@ -88,10 +94,11 @@ class GenerationStats:
 
     @property
     def running_acceptance(self) -> float:
-        """Per-token acceptance so far, from a prior of 0.6 worth 4 tokens (what a step accepted, plus one
-        rejection if it stopped early: the trials of a geometric run), for a draft length choice mid-request."""
-        trials = 4.0 + self.accepted + sum(int(a < d) for d, a in self.per_step)
-        return (2.4 + self.accepted) / trials
+        """Per-token acceptance so far, from the prior acceptance worth PRIOR_TOKENS tokens (what a step
+        accepted, plus one rejection if it stopped early: the trials of a geometric run), for a draft length
+        choice mid-request."""
+        trials = PRIOR_TOKENS + self.accepted + sum(int(a < d) for d, a in self.per_step)
+        return (PRIOR_ACCEPTANCE * PRIOR_TOKENS + self.accepted) / trials
 
     @property
     def tokens_per_s(self) -> float:
