@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+# For what make runs besides the stages (mlflow commands, the tests' child processes); the stages read params.yaml's
+# mlflow.tracking_uri, which DVC tracks (docs/scale-out.md: a shared tracking server).
 export MLFLOW_TRACKING_URI ?= sqlite:///mlflow/mlflow.db
 
 # speculators' own environment, where a test loads our vLLM export with speculators' classes

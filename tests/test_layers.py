@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / "specops"
 LAYERS = ["core", "drafters", "lossy", "server", "data", "train", "eval", "pipeline", "cli"]
 HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "deepspeed", "mlflow", "dvc", "matplotlib")
 SERVING_SIDE = ["specops.core.loop", "specops.drafters.factory", "specops.lossy.modes", "specops.server.app",
-                "specops.server.commands", "specops.server.generator"]
+                "specops.server.commands", "specops.server.generator", "specops.server.proxy"]
 
 
 def layer_of(module: str) -> str | None:

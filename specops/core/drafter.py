@@ -65,6 +65,9 @@ class Drafter(Protocol):
     # output of layer i), or None. The loop captures them and reports them through `observe_features`
     # for every committed token but the last: after the prefill, then the verified path of each step.
     hidden_layers: list[int] | None
+    # How many past responses it learns from when serving starts (Suffix Decoding: the feedback log's
+    # newest), given to `remember`; 0: none.
+    remembers: int
 
     def reset(self) -> None:
         """Forget per-sequence state before a new request (learned statistics may persist)."""
@@ -81,6 +84,13 @@ class Drafter(Protocol):
     def observe_features(self, features: torch.Tensor) -> None:
         """Target features [n, L, H] at the hidden_layers of the next n committed tokens, in order."""
 
+    def finish(self, context: list[int]) -> None:
+        """The generation ended with `context` (prompt and every committed token); learn from it (Suffix
+        Decoding keeps past responses). Not called for a generation stopped early."""
+
+    def remember(self, responses: list[list[int]]) -> None:
+        """Past responses' token ids, oldest first: served before this process started."""
+
 
 class DrafterBase:
     """Defaults for the Drafter protocol: no per-sequence state, nothing learned from verification, no
@@ -88,6 +98,7 @@ class DrafterBase:
 
     predicts_acceptance = False
     hidden_layers: list[int] | None = None
+    remembers = 0
 
     def reset(self) -> None:
         pass
@@ -96,6 +107,12 @@ class DrafterBase:
         pass
 
     def observe_features(self, features: torch.Tensor) -> None:
+        pass
+
+    def finish(self, context: list[int]) -> None:
+        pass
+
+    def remember(self, responses: list[list[int]]) -> None:
         pass
 
 

@@ -226,6 +226,8 @@ class SpeculativeGenerator:
                     yield new
                     if stopped:
                         break
+                if self.drafter is not None:
+                    self.drafter.finish(context)
 
     def _commit(self, new: list[int], context: list[int], out: Generation, start: float) -> tuple[list[int], bool]:
         """Append one step's tokens, cut after the first EOS, to the sequence; True when generation ends."""

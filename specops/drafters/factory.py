@@ -24,6 +24,7 @@ from specops.drafters.draft_lm import DraftLMDrafter, load_draft
 from specops.drafters.kinds import DRAFTERS, DecodingConfig, drafter_kind
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
+from specops.drafters.suffix import SuffixCache, SuffixDrafter
 
 WEIGHTS_NEEDED = {"draft_lm": "a draft model folder (--draft-model PATH)",
                   "aligned_head": "an aligned head folder (--aligned-head PATH)"}
@@ -45,6 +46,9 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
     if kind in ("recycling", "hybrid"):  # hybrid: Token Recycling tree + the prompt-lookup branch merged in
         lookup = PromptLookupDrafter(max_ngram=config.prompt_lookup_max_ngram) if kind == "hybrid" else None
         return RecyclingDrafter(target.vocab_size, num_nodes=config.recycling_nodes, lookup=lookup)
+    if kind in ("suffix", "suffix-tree"):
+        return SuffixDrafter(SuffixCache(config.suffix_max_depth, config.suffix_max_cached), nodes, config.suffix_factor,
+                             config.suffix_min_prob)
     if spec.weights == "draft_lm":
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
         model, vocab = load_draft(weights, target.model.dtype)  # bf16 halves the draft's cost too

@@ -200,6 +200,8 @@ def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig
             if stats is not None:
                 merge_stats(merged[name], stats)
             row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4)}
+            if stats is not None:  # per request: how a drafter that learns from traffic improves over a stream
+                row[name].update(steps=stats.steps, accepted=stats.accepted)
         for name, tokens in outputs.items():
             same_ar, same_plain = tokens == outputs[BASELINE + suffix[name]], tokens == outputs[PLAIN + suffix[name]]
             totals[name]["identical"] += int(same_ar)

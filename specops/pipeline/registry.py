@@ -37,6 +37,7 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.types.schema import AnyType, Array, ColSpec, ParamSchema, ParamSpec, Schema
+from mlflow.utils.uri import is_http_uri
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -101,8 +102,10 @@ class RegisterConfig:
     experiment: str = "specops"
     """Experiment that holds the register runs."""
     artifact_root: str = "mlflow/artifacts"
-    """Artifact location of a newly created experiment: a local folder (so artifacts do not land in
-    ./mlruns) or a URI such as s3://bucket/path or mlflow-artifacts:/ for a tracking server."""
+    """Artifact location of a newly created experiment: a URI (s3://bucket/path, mlflow-artifacts:/path) is
+    used as given; a folder only without a tracking server (the embedded sqlite: store), so that artifacts
+    do not land in ./mlruns. With a tracking server (http[s]://) a folder is not used: the server gives the
+    experiment its own location (`mlflow server --artifacts-destination` or `--default-artifact-root`)."""
 
 
 @dataclass
@@ -135,9 +138,14 @@ def tracking_setup(tracking_uri: str) -> None:
     mlflow.set_registry_uri(tracking_uri)
 
 
-def _artifact_location(artifact_root: str) -> str:
+def _artifact_location(artifact_root: str) -> str | None:
+    """A new experiment's artifact location (RegisterConfig.artifact_root); None: the tracking server's own."""
     if "://" in artifact_root or artifact_root.startswith("mlflow-artifacts:"):
         return artifact_root
+    if is_http_uri(mlflow.get_tracking_uri()):
+        # A folder on this machine would be a file: location: every client would write the artifacts to its
+        # own disk, where the server and the other clients (publish, a serving pod) cannot read them.
+        return None
     path = Path(artifact_root).resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path.as_uri()
@@ -149,10 +157,11 @@ def ensure_experiment(name: str, artifact_root: str) -> str:
     MLflow's client gives a new experiment on a sqlite store the location ./mlruns unless one is
     passed, which would split artifacts away from the embedded store.
     """
+    location = _artifact_location(artifact_root)
     existing = mlflow.get_experiment_by_name(name)
     if existing is None:
-        return mlflow.create_experiment(name, artifact_location=_artifact_location(artifact_root))
-    if existing.artifact_location != _artifact_location(artifact_root):
+        return mlflow.create_experiment(name, artifact_location=location)
+    if location is not None and existing.artifact_location != location:
         warnings.warn(f"Experiment '{name}' already stores artifacts at {existing.artifact_location}, "
                       f"not {artifact_root}; keeping its location.", stacklevel=2)
     return existing.experiment_id

@@ -84,11 +84,13 @@ def prepare(params: Params, inputs: Inputs) -> None:
 
 
 def collect(params: Params, inputs: Inputs) -> None:
-    from specops.data.collect import CollectConfig
+    from specops.data.collect import CollectConfig, is_rank_zero
     from specops.data.collect import collect as run
 
     cfg = section(params, CollectConfig, "collect")
-    write_json(report_path(params, "collect"), run(cfg, stage_target(params), inputs["prompts"]))
+    report = run(cfg, stage_target(params), inputs["prompts"])
+    if is_rank_zero():  # every collecting rank (torchrun's, a caller's group's) returns the same report
+        write_json(report_path(params, "collect"), report)
 
 
 def mlflow_logger(params: Params, stage: str):

@@ -34,9 +34,9 @@ from transformers import PreTrainedTokenizerBase
 
 from specops.core.target import Target, encode_prompt, load_target
 from specops.core.types import SamplingParams
-from specops.server.config import ServerConfig, is_loopback
+from specops.server.config import ServerConfig
 from specops.server.feedback import FeedbackLog
-from specops.server.guards import STATUS_KEY, BearerAuth, BodyLimit, LoopbackHosts, RequestRecorder
+from specops.server.guards import STATUS_KEY, RequestRecorder, install_guards
 from specops.server.logprobs import TokenText
 from specops.server.metrics import CONTENT_TYPE, ServerMetrics
 from specops.server.protocol import (
@@ -113,6 +113,7 @@ class Pending:
     request: Request
     deadline: float  # time.monotonic()
     timeout_s: float
+    next_check: float = 0.0  # time.monotonic() of the next disconnect check
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -127,12 +128,18 @@ class Pending:
                 self.cancel()
                 return 0, Failed(504, f"The request did not complete within {self.timeout_s:g} s; try a smaller "
                                  "max_tokens or retry later.", "timeout_error", "timeout")
-            try:
-                return await asyncio.wait_for(self.events.get(), min(remaining, DISCONNECT_POLL_S))
-            except TimeoutError:  # asyncio's is this class from Python 3.11, the oldest supported
-                if watch_disconnect and await self.request.is_disconnected():
+            event = None
+            with contextlib.suppress(TimeoutError):  # asyncio's is this class from Python 3.11, the oldest supported
+                event = await asyncio.wait_for(self.events.get(), min(remaining, DISCONNECT_POLL_S))
+            # Checked on a clock, not only while idle: a non-streamed answer whose tokens keep coming would
+            # otherwise run to its end after its client (or a proxy that timed out) has left.
+            if watch_disconnect and time.monotonic() >= self.next_check:
+                self.next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await self.request.is_disconnected():
                     self.cancel()
-                    raise ClientGone() from None
+                    raise ClientGone()
+            if event is not None:
+                return event
 
 
 @functools.lru_cache(maxsize=4)  # one per tokenizer served (a hot reload may bring another)
@@ -333,7 +340,7 @@ def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return _error_response(error)
@@ -467,16 +474,10 @@ def create_app(config: ServerConfig, model: ServedModel | None = None, target: T
 
     app = FastAPI(title="specops", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
     app.state.server = server
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _install_routes(app, server)
-    # add_middleware wraps: the last added runs first. Count, then authenticate (or check the Host), then read
-    # the body.
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
-    if config.api_key:
-        app.add_middleware(BearerAuth, api_key=config.api_key)
-    elif is_loopback(config.host):
-        app.add_middleware(LoopbackHosts)
-    app.add_middleware(RequestRecorder, metrics=metrics, paths=COMPLETION_PATHS)
+    install_guards(app, config)
+    app.add_middleware(RequestRecorder, metrics=metrics, paths=COMPLETION_PATHS)  # added last: counts every request first
     return app
 
 

@@ -3,25 +3,30 @@
 One SQLite row per finished request, in WAL mode with synchronous=FULL: a row is on disk when
 `append` returns, and the server calls it before the response ends, so every response a client
 received completely has its row even if the process is killed right after. When a row cannot be written
-(a full disk), its request fails with 503 and the server refuses requests until a `probe` write succeeds
-(specops/server/worker.py), so the promise holds rather than answers going unlogged. Token ids are always
-stored; prompt text only when configured. A retention cap drops the oldest rows and counts them.
-`export` writes rows to Parquet for the retraining pipeline.
+(a full disk), its request fails with 503 and requests are refused until a `probe` write succeeds
+(FeedbackGate, used by the server's worker and by the proxy), so the promise holds rather than answers going
+unlogged. Token ids are always stored; prompt text only when configured. A retention cap drops the oldest rows
+and counts them. `export` writes rows to Parquet for the retraining pipeline.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+FEEDBACK_RETRY_S = 1.0  # while the log cannot be written, how often a probe write is tried
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -140,9 +145,79 @@ class FeedbackLog:
         with self._lock:
             return self._conn.execute("SELECT value FROM meta WHERE key = 'dropped_rows'").fetchone()[0]
 
+    def recent_outputs(self, limit: int) -> list[list[int]]:
+        """The output token ids of the newest `limit` rows, oldest first (what a restarted Suffix Decoding
+        drafter learns from)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT output_ids FROM requests ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [json.loads(row[0]) for row in reversed(rows)]
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The 503 that completion requests get while the log cannot be written."""
+
+    failure: str  # the failed write's error
+    status: ClassVar[int] = 503
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "feedback_unavailable"
+
+    @property
+    def message(self) -> str:
+        return f"The feedback log cannot be written ({self.failure}), and every answer must be logged: retry later."
+
+
+class FeedbackGate:
+    """The log's promise kept: once a row cannot be written, completion requests are refused until a probe
+    write, tried at most every FEEDBACK_RETRY_S, succeeds. The server's worker threads and the proxy share this
+    rule; it is thread-safe, and its writes block (fsync), so an event loop calls them in a thread."""
+
+    def __init__(self, log: FeedbackLog) -> None:
+        self.log = log
+        self._failure: str | None = None  # the last failed write's error; None while the log writes
+        self._retry_at = 0.0  # time.monotonic() of the next probe
+        self._lock = threading.Lock()  # one caller probes at a time; the others see its outcome
+
+    def refusal(self) -> Refusal | None:
+        """The 503 to answer now; None while the log can be written."""
+        failure = self._failure  # read once: another thread may clear it meanwhile
+        return None if failure is None else Refusal(failure)
+
+    def retry_due(self) -> bool:
+        return self._failure is not None and time.monotonic() >= self._retry_at
+
+    def retry(self) -> None:
+        """While refusing, try a probe write if FEEDBACK_RETRY_S has passed since the last try."""
+        if not self.retry_due():
+            return
+        with self._lock:
+            if not self.retry_due():
+                return
+            try:
+                self.log.probe()
+            except sqlite3.Error as error:
+                self._failed(error)
+                return
+            self._failure = None
+        log.info("The feedback log can be written again; serving resumes.")
+
+    def append(self, records: list[FeedbackRecord]) -> int:
+        """Commit the rows, each fsynced; returns how many old rows the retention cap dropped. A failed write
+        raises its sqlite3.Error, and requests are refused from then on until a probe write succeeds."""
+        try:
+            return sum(self.log.append(record) for record in records)
+        except sqlite3.Error as error:
+            with self._lock:
+                self._failed(error)
+            raise
+
+    def _failed(self, error: sqlite3.Error) -> None:
+        self._retry_at = time.monotonic() + FEEDBACK_RETRY_S
+        self._failure = str(error)
 
 
 def parse_since(text: str) -> datetime:

@@ -12,10 +12,11 @@ import hmac
 import time
 from collections.abc import Collection
 
+from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specops.server.config import LOOPBACK_NAMES, is_loopback
+from specops.server.config import LOOPBACK_NAMES, HttpConfig, is_loopback
 from specops.server.metrics import ServerMetrics
 from specops.server.protocol import error_body
 
@@ -180,3 +181,13 @@ class BodyLimit:
                 raise BodyTooLargeError()
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def install_guards(app: Starlette, config: HttpConfig) -> None:
+    """The server's and the proxy's guards. add_middleware wraps, so the last added runs first:
+    authenticate (or, keyless on loopback, check the Host), then read the body."""
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    if config.api_key:
+        app.add_middleware(BearerAuth, api_key=config.api_key)
+    elif is_loopback(config.host):
+        app.add_middleware(LoopbackHosts)

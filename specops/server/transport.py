@@ -13,7 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specops.server.config import ServerConfig
+from specops.server.config import HttpConfig
 
 
 class HeaderDeadlineProtocol(H11Protocol):
@@ -59,7 +59,7 @@ def header_deadline_protocol(timeout_s: float) -> type[HeaderDeadlineProtocol]:
     return type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": timeout_s})
 
 
-def uvicorn_config(app: ASGIApp, config: ServerConfig, **extra: Any) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, config: HttpConfig, **extra: Any) -> uvicorn.Config:
     """uvicorn's settings for `config`; `extra` adds others (log_level, timeout_graceful_shutdown, ...).
 
     The h11 protocol is named rather than left to uvicorn's "auto", which would take httptools where it is

@@ -26,7 +26,7 @@ from specops.core.llama import llama_forward
 from specops.core.loop import GenerationRequestError, prompt_logprobs
 from specops.core.target import Target
 from specops.core.types import Generation, GenerationStats, SamplingParams, TokenLogprob
-from specops.server.feedback import FeedbackLog, FeedbackRecord
+from specops.server.feedback import FeedbackGate, FeedbackLog, FeedbackRecord, Refusal
 from specops.server.generator import TextGenerator
 from specops.server.metrics import ServerMetrics
 from specops.server.textstream import TextStream
@@ -34,7 +34,6 @@ from specops.server.textstream import TextStream
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # how often an idle worker looks for a pending hot swap or a stop request
-FEEDBACK_RETRY_S = 1.0  # while the feedback log cannot be written, how often the worker tries a write again
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
 # One request of each kind the server accepts, so a model that would refuse one is refused before it serves.
@@ -125,9 +124,8 @@ def _unsent(generation: Generation, text: TextStream, sent: int) -> tuple[TokenL
     return tuple(generation.logprobs[sent:end])
 
 
-def _feedback_refusal(failure: str) -> Failed:
-    return Failed(503, f"The feedback log cannot be written ({failure}), and every answer must be logged: retry "
-                  "later.", "server_error", "feedback_unavailable")
+def _refused(refusal: Refusal) -> Failed:
+    return Failed(refusal.status, refusal.message, refusal.type, refusal.code)
 
 
 class QueueFullError(RuntimeError):
@@ -151,6 +149,9 @@ class GenerationWorker:
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._metrics = metrics
         self._feedback = feedback
+        # Requests are refused while the log cannot be written, since it promises a row for every answer; a slot
+        # retries a write between requests (FeedbackGate).
+        self._gate = FeedbackGate(feedback) if feedback is not None else None
         self._slots = slots
         self._window_s = window_s
         self._stop = threading.Event()
@@ -159,11 +160,6 @@ class GenerationWorker:
                          for i in range(slots)]
         self.ready = threading.Event()
         self.failure: str | None = None  # why the worker could not start, for /ready
-        # Why the feedback log cannot be written; requests are refused meanwhile, since the log promises a row
-        # for every answer. A slot retries a write every FEEDBACK_RETRY_S until one succeeds.
-        self.feedback_failure: str | None = None
-        self._next_feedback_retry = 0.0
-        self._retry_lock = threading.Lock()
         metrics.watch_queue(self._queue.qsize)
         metrics.set_serving(model.bundle_version, model.model_version, model.drafter)
 
@@ -205,6 +201,11 @@ class GenerationWorker:
         elif self._slots > 1:
             log.warning("The model's runtime cannot batch passes exactly (it needs the eager static runtime in "
                         "bfloat16: static_width > 0, compiled off): serving one request at a time.")
+        drafter = model.generator.drafter
+        if drafter is not None and drafter.remembers and self._feedback is not None:
+            past = self._feedback.recent_outputs(drafter.remembers)
+            drafter.remember(past)  # before forking: forks share what it learned (Suffix Decoding's cache)
+            log.info("The %s drafter learned the %d newest responses of the feedback log.", drafter.name, len(past))
         forks = [model.generator.fork(batcher) for _ in range(self._slots)] if batcher is not None else [model.generator]
         return Serving(model, forks, batcher)
 
@@ -233,7 +234,8 @@ class GenerationWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._retry_feedback()
+            if self._gate is not None:
+                self._gate.retry()
             taken = self._take()
             if taken is None:
                 continue
@@ -265,26 +267,8 @@ class GenerationWorker:
 
     def feedback_refusal(self) -> Failed | None:
         """The 503 for requests while the feedback log cannot be written; None when it can."""
-        failure = self.feedback_failure  # read once: the worker thread may clear it meanwhile
-        return None if failure is None else _feedback_refusal(failure)
-
-    def _retry_feedback(self) -> None:
-        if self._feedback is None or self.feedback_failure is None or time.monotonic() < self._next_feedback_retry:
-            return
-        with self._retry_lock:  # one slot probes; the others see the outcome
-            if self.feedback_failure is None or time.monotonic() < self._next_feedback_retry:
-                return
-            try:
-                self._feedback.probe()
-            except sqlite3.Error as error:
-                self._feedback_failed(error)
-                return
-            log.info("The feedback log can be written again; serving resumes.")
-            self.feedback_failure = None
-
-    def _feedback_failed(self, error: sqlite3.Error) -> None:
-        self.feedback_failure = str(error)
-        self._next_feedback_retry = time.monotonic() + FEEDBACK_RETRY_S
+        refusal = self._gate.refusal() if self._gate is not None else None
+        return None if refusal is None else _refused(refusal)
 
     def _serve(self, job: Job, model: ServedModel, generator: TextGenerator) -> None:
         if job.cancelled.is_set():  # the client left or timed out while queued
@@ -352,7 +336,7 @@ class GenerationWorker:
     def _record(self, job: Job, completion: Completion) -> Failed | None:
         """Count the generation and log its row; the 503 to answer instead when the row could not be written."""
         self._metrics.observe_generation(completion.prompt_tokens, completion.stats)
-        if self._feedback is None:
+        if self._gate is None:
             return None
         model = completion.model
         sampling = {"temperature": job.sampling.temperature, "top_p": job.sampling.top_p,
@@ -363,13 +347,12 @@ class GenerationWorker:
             prompt_ids=job.prompt_ids, output_ids=completion.output_ids, sampling=sampling,
             per_step=completion.stats.per_step, finish_reason=completion.finish_reason, prompt_text=job.prompt_text)
         try:
-            dropped = self._feedback.append(record)
-        except sqlite3.Error as error:  # disk full, ...: refuse requests until a write succeeds again
+            dropped = self._gate.append([record])
+        except sqlite3.Error as error:  # disk full, ...: the gate refuses requests until a write succeeds again
             log.exception("Could not write the feedback row of request %s; refusing requests until it can.",
                           job.request_id)
             self._metrics.feedback_errors.inc()
-            self._feedback_failed(error)
-            return _feedback_refusal(str(error))
+            return _refused(Refusal(str(error)))
         self._metrics.feedback_rows.inc()
         self._metrics.feedback_dropped.inc(dropped)
         return None

@@ -10,6 +10,7 @@ from specops.core.verify import VERIFIERS
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter, merge_chain
+from specops.drafters.suffix import SuffixCache, SuffixDrafter
 
 PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7]]
 
@@ -30,6 +31,9 @@ def make_drafters(target, draft_model):
         "self-draft": DraftLMDrafter(target.model, vocab),  # every draft accepted: exercises the bonus path
         "draft-lm-tree": DraftLMDrafter(draft_model, vocab, tree_nodes=8, tree_top_k=3),
         "self-draft-tree": DraftLMDrafter(target.model, vocab, tree_nodes=6, tree_top_k=2),
+        # Learns from every earlier generation: repeated prompts draft their earlier output.
+        "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
+        "suffix-tree": SuffixDrafter(SuffixCache(8, 64), 6, 1.0, 0.1),
     }
 
 

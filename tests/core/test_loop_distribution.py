@@ -44,6 +44,7 @@ from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
+from specops.drafters.suffix import SuffixCache, SuffixDrafter
 from tests.core.table_lm import TableLM, table_target
 
 V, K, N = 3, 3, 1200
@@ -157,12 +158,14 @@ CHAIN_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "prompt-lookup": lambda: PromptLookupDrafter(max_ngram=2),
     "draft-lm": draft_lm,
     "aligned_head": aligned_drafter,
+    "suffix": lambda: SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),  # drafts from earlier samples: its cache outlives a generation
 }
 TREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "recycling": lambda: RecyclingDrafter(V, num_nodes=6, top_k=3),
     "hybrid": lambda: RecyclingDrafter(V, num_nodes=4, top_k=3, lookup=PromptLookupDrafter(max_ngram=2)),
     "draft-lm-tree": lambda: draft_lm(tree_nodes=5),
     "aligned_head_tree": lambda: aligned_drafter(tree_nodes=5),
+    "suffix-tree": lambda: SuffixDrafter(SuffixCache(8, 64), 5, 1.0, 0.1),
 }
 POLICIES = {
     "fixed": lambda: FixedPolicy(K),

@@ -20,6 +20,7 @@ from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
+from specops.drafters.suffix import SuffixCache, SuffixDrafter
 from tests.conftest import tiny_llama, tiny_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -169,7 +170,8 @@ def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
     draft = tiny_llama(1, layers=1, hidden=32, dtype=DTYPES[dtype])
     plain = SpeculativeGenerator(target, None, "greedy", WIDTH - 1, static_width=WIDTH)
     drafters = {"prompt-lookup": PromptLookupDrafter(3), "draft-lm": DraftLMDrafter(draft, target.vocab_size),
-                "self-draft": DraftLMDrafter(target.model, target.vocab_size), "aligned_head": aligned(target.model)}
+                "self-draft": DraftLMDrafter(target.model, target.vocab_size), "aligned_head": aligned(target.model),
+                "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1)}
     prompts = [[5, 17, 33, 17, 33, 40], list(range(10, 40)), [7, 7, 7, 7]]
     for name, drafter in drafters.items():
         for verifier in VERIFIERS:

@@ -126,3 +126,19 @@ def test_serve_flags_fill_the_config_and_leave_defaults_to_it():
         _config(_parser().parse_args(["serve", "--model-uri", "models:/x/3"]))
     with pytest.raises(SystemExit):  # argparse refuses both sources at once
         _parser().parse_args(["serve", "--bundle", "b", "--model-uri", "models:/x@champion"])
+
+
+def test_suffix_decoding_learns_the_logged_traffic_at_start(start_server, target, tmp_path):
+    """A restarted server with the suffix drafter drafts from what the feedback log holds: a request whose
+    answer was served before is drafted from it at once."""
+    db = tmp_path / "feedback.db"
+    first = start_server(model=served(target, "suffix"), feedback_db=str(db))
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 40, "temperature": 0}
+    answer = httpx.post(first.url + "/v1/chat/completions", json=body, timeout=30).json()
+    first.stop()
+
+    restarted = start_server(model=served(target, "suffix"), feedback_db=str(db))
+    again = httpx.post(restarted.url + "/v1/chat/completions", json=body, timeout=30).json()
+    assert again["choices"][0]["message"]["content"] == answer["choices"][0]["message"]["content"]
+    # Drafted from the remembered answer: far more accepted than the first time, when only the prompt was known.
+    assert again["usage"]["accepted"] > answer["usage"]["accepted"] + 8

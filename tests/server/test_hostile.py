@@ -19,8 +19,7 @@ import pytest
 from specops.core.target import encode_prompt, target_from_model
 from specops.server.commands import _config, register
 from specops.server.config import ServerConfig
-from specops.server.feedback import FeedbackLog
-from specops.server.worker import FEEDBACK_RETRY_S
+from specops.server.feedback import FEEDBACK_RETRY_S, FeedbackLog
 from tests.conftest import tiny_llama, tiny_tokenizer
 from tests.server.conftest import PROMPTS, LiveServer, metric, served, start_live
 from tests.server.test_load import wait_until

@@ -90,6 +90,20 @@ def test_client_disconnect_mid_stream_stops_the_generation(start_server, target)
     assert live.state.feedback.count() == 1  # only the finished request
 
 
+def test_client_leaving_a_non_streamed_request_stops_the_generation(start_server, target):
+    """Tokens keep coming, so the handler is never idle: the disconnect is still noticed (on a clock)."""
+    model, drafter = slow_model(target, step_s=0.05)
+    live = start_server(model=model)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + CHAT, json={**LONG, "max_tokens": 200}, timeout=1.0)
+    wait_until(lambda: metric(httpx.get(live.url + "/metrics").text, "specops_requests_total",
+                              'status="499"') == 1, what="the disconnect to be recorded")
+    steps = drafter.proposals
+    time.sleep(0.3)
+    assert drafter.proposals <= steps + 1 and steps < 100  # far from the 200 steps it would have run
+    assert live.state.feedback.count() == 0
+
+
 def _chat(url: str, prompt: str) -> tuple[str, str]:
     response = httpx.post(url + CHAT, json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
                                             "temperature": 0}, timeout=60)

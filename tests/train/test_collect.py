@@ -172,8 +172,8 @@ def test_sampling_is_reproducible_per_prompt(tmp_path, prompts_dir, tiny_target)
 
 
 def test_unknown_backend_and_bad_settings_are_clear_errors():
-    with pytest.raises(ValueError, match="backend 'vllm' is unknown. Available: transformers"):
-        CollectConfig(backend="vllm")
+    with pytest.raises(ValueError, match="backend 'sglang' is unknown. Available: transformers, vllm"):
+        CollectConfig(backend="sglang")
     with pytest.raises(ValueError, match="unknown split"):
         CollectConfig(splits=["dev"])
     with pytest.raises(ValueError, match="logprobs_dtype"):
