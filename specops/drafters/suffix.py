@@ -37,11 +37,50 @@ from specops.core.types import SamplingParams
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    """A trie node. Most nodes have at most one child (a suffix continues one way), so that child sits in
+    two slots and a dict exists only from the second child on: a third of the memory of a dict per node."""
+
+    __slots__ = ("count", "token", "child", "more")
 
     def __init__(self) -> None:
         self.count = 0
-        self.children: dict[int, _Node] = {}
+        self.token = -1  # the only child's token, while there is at most one
+        self.child: _Node | None = None
+        self.more: dict[int, _Node] | None = None  # every child, once there are two or more
+
+    def get(self, token: int) -> _Node | None:
+        if self.more is not None:
+            return self.more.get(token)
+        return self.child if token == self.token else None
+
+    def add(self, token: int) -> _Node:
+        """The child for `token`, created (with count 0) if missing."""
+        found = self.get(token)
+        if found is not None:
+            return found
+        node = _Node()
+        if self.more is not None:
+            self.more[token] = node
+        elif self.child is None:
+            self.token, self.child = token, node
+        else:
+            self.more = {self.token: self.child, token: node}
+            self.token, self.child = -1, None
+        return node
+
+    def remove(self, token: int) -> None:
+        if self.more is None:
+            self.token, self.child = -1, None
+            return
+        del self.more[token]
+        if len(self.more) == 1:
+            (self.token, self.child), = self.more.items()
+            self.more = None
+
+    def items(self) -> list[tuple[int, _Node]]:
+        if self.more is not None:
+            return list(self.more.items())
+        return [] if self.child is None else [(self.token, self.child)]
 
 
 class SuffixTrie:
@@ -64,12 +103,10 @@ class SuffixTrie:
         for token in tokens:
             grown = []
             for node in [*active[-(self.max_depth - 1):], self.root]:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
+                child = node.add(token)
                 child.count += delta
                 if child.count <= 0:
-                    del node.children[token]
+                    node.remove(token)
                 grown.append(child)
             active = grown
         return active
@@ -78,7 +115,7 @@ class SuffixTrie:
         """The node of the substring `tail`, or None when it never occurred."""
         node = self.root
         for token in tail:
-            child = node.children.get(token)
+            child = node.get(token)
             if child is None:
                 return None
             node = child
@@ -87,7 +124,7 @@ class SuffixTrie:
 
 def _best_child(node: _Node) -> tuple[int, _Node] | None:
     # Ties go to the smaller token id, so a draft never depends on insertion order.
-    return max(node.children.items(), key=lambda item: (item[1].count, -item[0]), default=None)
+    return max(node.items(), key=lambda item: (item[1].count, -item[0]), default=None)
 
 
 def speculate_path(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
@@ -119,7 +156,7 @@ def speculate_tree(node: _Node, max_nodes: int, max_depth: int, min_prob: float)
     def push(parent_node: _Node, parent: int, prob: float, depth: int) -> None:
         if depth > max_depth:
             return
-        for token, child in parent_node.children.items():
+        for token, child in parent_node.items():
             p = prob * child.count / parent_node.count
             if p >= min_prob:
                 heapq.heappush(heap, (-p, next(order), token, parent, depth, child))

@@ -27,7 +27,7 @@ def substring_counts(sequences: list[list[int]], depth: int) -> Counter:
 
 def trie_counts(node: _Node, prefix: tuple[int, ...] = ()) -> Counter:
     counts: Counter = Counter()
-    for token, child in node.children.items():
+    for token, child in node.items():
         assert child.count > 0  # removal drops nodes that reach zero
         counts[prefix + (token,)] = child.count
         counts.update(trie_counts(child, prefix + (token,)))
