@@ -173,15 +173,7 @@ class SpeculativeGenerator:
         start = time.perf_counter()
         coupled = isinstance(generator, PositionNoise)
         with torch.inference_mode():
-            # Feature-reading drafters (aligned heads) name the target layers to capture; others add no cost.
-            hidden_layers = self.drafter.hidden_layers if self.drafter is not None else None
-            lm: CachedLM | StaticLM
-            if self.static_width:
-                length = static_cache_length(len(context), max_new_tokens, self.static_width)
-                lm = StaticLM(self.target.model, self.static_width, length, hidden_layers, self.compiled,
-                              self.batcher)
-            else:
-                lm = CachedLM(self.target.model, hidden_layers)
+            lm = self._target_lm(len(context), max_new_tokens)
             if not prefill(lm, context[:-1], self.prefill_chunk, cancelled):
                 out.finish_reason = "cancelled"
                 return
@@ -228,6 +220,15 @@ class SpeculativeGenerator:
                         break
                 if self.drafter is not None:
                     self.drafter.finish(context)
+
+    def _target_lm(self, prompt_tokens: int, max_new_tokens: int) -> CachedLM | StaticLM:
+        """The target's runtime for one generation: the static cache sized for it, or the dynamic one."""
+        # Feature-reading drafters (aligned heads) name the target layers to capture; others add no cost.
+        hidden_layers = self.drafter.hidden_layers if self.drafter is not None else None
+        if self.static_width:
+            length = static_cache_length(prompt_tokens, max_new_tokens, self.static_width)
+            return StaticLM(self.target.model, self.static_width, length, hidden_layers, self.compiled, self.batcher)
+        return CachedLM(self.target.model, hidden_layers)
 
     def _commit(self, new: list[int], context: list[int], out: Generation, start: float) -> tuple[list[int], bool]:
         """Append one step's tokens, cut after the first EOS, to the sequence; True when generation ends."""
