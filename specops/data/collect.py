@@ -445,7 +445,7 @@ def check_same_plan(plans: list[dict[str, Any]], split: str) -> None:
 
 def resume_state(split_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     """The manifest to continue from: the old one when its plan matches, with the shards its ranks recorded
-    (a distributed run stopped before merging them); else a fresh one (old shards and records removed)."""
+    (a distributed run stopped before merging them); else a fresh one (old shards removed)."""
     try:
         manifest = read_manifest(split_dir)
     except TraceError as error:  # without a manifest no shard can be checked, so none can be kept
@@ -456,8 +456,7 @@ def resume_state(split_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
         manifest = None
     if manifest is None:
         for stale in split_dir.glob("shard-*.safetensors*"):
-            stale.unlink()
-        remove_rank_records(split_dir)
+            stale.unlink()  # the ranks' records of another plan are ignored here and removed by start_split
         n_shards = -(-plan["n_prompts"] // plan["shard_size"])
         manifest = {"plan": plan, "n_shards": n_shards, "shards": [], "complete": False}
     else:

@@ -375,20 +375,23 @@ class Proxy:
         """`call(*args)` on the tokenizer's thread."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, call, *args)
 
+    def upstream_auth(self) -> list[tuple[str, str]]:
+        """The upstream's key, when one is set (the client's own never goes upstream)."""
+        key = self.config.upstream_api_key
+        return [("authorization", f"Bearer {key}")] if key else []
+
     def headers(self, request: Request) -> list[tuple[str, str]]:
-        headers = [*end_to_end(request.headers.items(), REQUEST_DROP), ("accept-encoding", "identity")]
-        if self.config.upstream_api_key:
-            headers.append(("authorization", f"Bearer {self.config.upstream_api_key}"))
-        return headers
+        return [*end_to_end(request.headers.items(), REQUEST_DROP), ("accept-encoding", "identity"),
+                *self.upstream_auth()]
 
     async def check_tokenizer(self) -> None:
         """Refuse to start when the upstream tokenizes a probe chat differently (the wrong --target would log
         wrong ids); warn when it cannot tell (OpenAI itself has no /tokenize)."""
         assert self.client is not None
-        headers = {"authorization": f"Bearer {self.config.upstream_api_key}"} if self.config.upstream_api_key else {}
         theirs: Any = None
         try:
-            response = await self.client.post(f"{self.base}/tokenize", json={"messages": PROBE}, headers=headers,
+            response = await self.client.post(f"{self.base}/tokenize", json={"messages": PROBE},
+                                              headers=self.upstream_auth(),
                                               timeout=min(PROBE_TIMEOUT_S, self.config.timeout_s))
             kind = response.headers.get("content-type", "")
             reason = f"HTTP {response.status_code}, {kind or 'no content type'}"

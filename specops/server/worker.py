@@ -148,7 +148,6 @@ class GenerationWorker:
         self._idle = threading.Condition()  # a slot waits on it for a job and a free fork, together
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._metrics = metrics
-        self._feedback = feedback
         # Requests are refused while the log cannot be written, since it promises a row for every answer; a slot
         # retries a write between requests (FeedbackGate).
         self._gate = FeedbackGate(feedback) if feedback is not None else None
@@ -202,8 +201,8 @@ class GenerationWorker:
             log.warning("The model's runtime cannot batch passes exactly (it needs the eager static runtime in "
                         "bfloat16: static_width > 0, compiled off): serving one request at a time.")
         drafter = model.generator.drafter
-        if drafter is not None and drafter.remembers and self._feedback is not None:
-            past = self._feedback.recent_outputs(drafter.remembers)
+        if drafter is not None and drafter.remembers and self._gate is not None:
+            past = self._gate.log.recent_outputs(drafter.remembers)
             drafter.remember(past)  # before forking: forks share what it learned (Suffix Decoding's cache)
             log.info("The %s drafter learned the %d newest responses of the feedback log.", drafter.name, len(past))
         forks = [model.generator.fork(batcher) for _ in range(self._slots)] if batcher is not None else [model.generator]
