@@ -135,7 +135,8 @@ def register_champion(args: argparse.Namespace, workdir: Path) -> str:
     metrics = {"method": f"draft-lm@{args.draft_tokens}", "trained_on": "sharegpt",
                "final_loss": training["final_loss"], "val_loss": training["val_loss"]}
     bundle = write_bundle(workdir / "bundle", drafter_dir=workdir / "models" / "draft_lm", drafter_kind="draft-lm",
-                          serving={"verifier": "auto", "draft_tokens": args.draft_tokens}, target_source=args.target,
+                          serving={"verifier": "auto", "draft_tokens": args.draft_tokens,
+                                   "static_width": args.static_width}, target_source=args.target,
                           target_dtype=args.dtype, fingerprint=fingerprint, metrics=metrics, overwrite=True)
     tracking_setup(f"sqlite:///{workdir / 'mlflow.db'}")
     _, version = register_bundle(bundle, model_name=MODEL, experiment="osd-shift",
@@ -273,6 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="promote.gate.metric: mean_accepted_length (deterministic) or speedup_vs_ar")
     parser.add_argument("--target", default="smollm2", help="target source, as params.yaml target.source")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--static-width", type=int, default=0,
+                        help="both servers on the static runtime with passes this wide (0: the dynamic cache); "
+                             "must exceed --draft-tokens. bf16 is lossless only there")
     parser.add_argument("--seed", type=int, default=0, help="shuffles HumanEval before splitting it")
     parser.add_argument("--workdir", default=str(REPO / ".cache" / "osd_shift"), help="the mini project (cached)")
     parser.add_argument("--base-port", type=int, default=18500, help="the servers listen on this port and the next")
@@ -283,6 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("request counts, --max-tokens, --setup-prompts and --eval-prompts must be >= 1")
     if args.requests_before < 8:
         parser.error("--requests-before must be >= 8 (osd.min_rows of the round)")
+    if args.static_width and args.static_width <= args.draft_tokens:
+        parser.error("--static-width must exceed --draft-tokens (a pass verifies at most width - 1 drafts)")
     return args
 
 
@@ -302,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                                   f"sqlite:///{workdir / 'mlflow.db'}", "--poll-s", "2", "--feedback-db",
                                   str(workdir / "feedback" / "feedback.db")], args.base_port, logs / "champion.log"),
         "baseline": start_server(["--drafter", "none", "--target", args.target, "--dtype", args.dtype,
+                                  "--static-width", str(args.static_width),
                                   "--no-feedback"], args.base_port + 1, logs / "baseline.log"),
     }
     try:

@@ -25,6 +25,7 @@ from specops.drafters.kinds import DRAFTERS, DecodingConfig, drafter_kind
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
 from specops.drafters.suffix import SuffixCache, SuffixDrafter
+from specops.drafters.suffix_front import SuffixFrontDrafter
 
 WEIGHTS_NEEDED = {"draft_lm": "a draft model folder (--draft-model PATH)",
                   "aligned_head": "an aligned head folder (--aligned-head PATH)"}
@@ -47,15 +48,22 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
         lookup = PromptLookupDrafter(max_ngram=config.prompt_lookup_max_ngram) if kind == "hybrid" else None
         return RecyclingDrafter(target.vocab_size, num_nodes=config.recycling_nodes, lookup=lookup)
     if kind in ("suffix", "suffix-tree"):
-        return SuffixDrafter(SuffixCache(config.suffix_max_depth, config.suffix_max_cached), nodes, config.suffix_factor,
-                             config.suffix_min_prob)
+        return _suffix(config, nodes)
     if spec.weights == "draft_lm":
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
         model, vocab = load_draft(weights, target.model.dtype)  # bf16 halves the draft's cost too
-        return DraftLMDrafter(model, target.vocab_size, head, vocab, nodes, config.tree_top_k)
+        draft_lm = DraftLMDrafter(model, target.vocab_size, head, vocab, nodes, config.tree_top_k)
+        if kind == "draft-lm-suffix":
+            return SuffixFrontDrafter(_suffix(config, 0), draft_lm, config.suffix_front_min_score)
+        return draft_lm
     if spec.weights == "aligned_head":
         return load_aligned_drafter(weights, target.model, nodes, config.tree_top_k)
     raise AssertionError(f"DRAFTERS['{kind}'] has no constructor here")
+
+
+def _suffix(config: DecodingConfig, tree_nodes: int) -> SuffixDrafter:
+    return SuffixDrafter(SuffixCache(config.suffix_max_depth, config.suffix_max_cached), tree_nodes,
+                         config.suffix_factor, config.suffix_min_prob)
 
 
 def build_policy(config: DecodingConfig, target: Target, drafter: Drafter | None) -> DraftLengthPolicy:

@@ -43,6 +43,8 @@ DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("suffix-tree", tree=True, size="tree_nodes"),
     DrafterKind("draft-lm", weights="draft_lm", policies=True, acceptance_head=True),
     DrafterKind("draft-lm-tree", weights="draft_lm", tree=True, size="tree_nodes"),
+    # The draft LM behind a Suffix Decoding front (specops/drafters/suffix_front.py)
+    DrafterKind("draft-lm-suffix", weights="draft_lm", policies=True, acceptance_head=True),
     DrafterKind("aligned_head", weights="aligned_head"),
     DrafterKind("aligned_head_tree", weights="aligned_head", tree=True, size="tree_nodes"),
 )}
@@ -85,6 +87,9 @@ class DecodingConfig:
     suffix_factor: float = 1.0
     suffix_min_prob: float = 0.1
     suffix_max_cached: int = 1000
+    # draft-lm-suffix: the suffix tries' draft is taken (and the draft LM not run) when the tries expect at
+    # least this many of its tokens to be accepted (the sum of their estimated probabilities).
+    suffix_front_min_score: float = 1.0
     # Lossy acceleration, opt-in: "off" keeps the output identical to the target's. One of
     # specops.lossy.modes.LOSSY_MODES: autojudge accepts mismatching draft tokens its classifier deems
     # unimportant (arXiv 2504.20039); arbitrage keeps whole draft steps its router deems as good as the

@@ -273,10 +273,15 @@ class SuffixDrafter(DrafterBase):
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:
         refuse_stop(self, stop)
+        return self.scored(context, k)[0]
+
+    def scored(self, context: list[int], k: int) -> tuple[Draft, float]:
+        """The best of the per-request and global tries' drafts, with its score (the sum of its tokens'
+        estimated probabilities: how many of them the tries expect to be accepted)."""
         self._feed(context)
-        local, local_score = speculate(self.local, context, k, self.factor, self.min_prob, self.tree_nodes)
-        shared, shared_score = self.cache.speculate(context, k, self.factor, self.min_prob, self.tree_nodes)
-        return local if local_score >= shared_score else shared
+        local = speculate(self.local, context, k, self.factor, self.min_prob, self.tree_nodes)
+        shared = self.cache.speculate(context, k, self.factor, self.min_prob, self.tree_nodes)
+        return local if local[1] >= shared[1] else shared
 
     def finish(self, context: list[int]) -> None:
         self._feed(context)  # the last step's tokens, which no proposal saw

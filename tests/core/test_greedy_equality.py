@@ -11,6 +11,7 @@ from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter, merge_chain
 from specops.drafters.suffix import SuffixCache, SuffixDrafter
+from specops.drafters.suffix_front import SuffixFrontDrafter
 
 PROMPTS = [[5, 17, 33, 17, 33, 40], [9, 9, 9, 9], list(range(10, 40)), [7]]
 
@@ -34,6 +35,8 @@ def make_drafters(target, draft_model):
         # Learns from every earlier generation: repeated prompts draft their earlier output.
         "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
         "suffix-tree": SuffixDrafter(SuffixCache(8, 64), 6, 1.0, 0.1),
+        "draft-lm-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
+                                              DraftLMDrafter(draft_model, vocab), 1.0),
     }
 
 

@@ -45,6 +45,7 @@ from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
 from specops.drafters.suffix import SuffixCache, SuffixDrafter
+from specops.drafters.suffix_front import SuffixFrontDrafter
 from tests.core.table_lm import TableLM, table_target
 
 V, K, N = 3, 3, 1200
@@ -154,11 +155,17 @@ def draft_lm(head: bool = False, tree_nodes: int = 0) -> DraftLMDrafter:
     return DraftLMDrafter(DRAFT, V, acceptance_head() if head else None, tree_nodes=tree_nodes, tree_top_k=2)
 
 
+def suffix_front(head: bool = False) -> SuffixFrontDrafter:
+    """The draft LM behind a suffix front that takes over once the samples so far repeat."""
+    return SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), draft_lm(head=head), min_score=1.0)
+
+
 CHAIN_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "prompt-lookup": lambda: PromptLookupDrafter(max_ngram=2),
     "draft-lm": draft_lm,
     "aligned_head": aligned_drafter,
     "suffix": lambda: SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),  # drafts from earlier samples: its cache outlives a generation
+    "draft-lm-suffix": suffix_front,
 }
 TREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "recycling": lambda: RecyclingDrafter(V, num_nodes=6, top_k=3),
@@ -178,7 +185,8 @@ HEAD_POLICIES = ("specdecpp", "goodput_head")
 SAMPLING_VERIFIERS = [v for v in VERIFIERS if v != "greedy"]
 # Which drafters each policy sets the length of (as specops.drafters.factory allows), and the fixed policy for all.
 CHAIN_CASES = [(d, v, p) for d in CHAIN_DRAFTERS for v in SAMPLING_VERIFIERS for p in POLICIES
-               if p == "fixed" or (d == "draft-lm" and p != "fixed") or (d == "prompt-lookup" and p in ("heuristic", "goodput"))]
+               if p == "fixed" or (d == "draft-lm" and p != "fixed") or (d == "prompt-lookup" and p in ("heuristic", "goodput"))
+               or (d == "draft-lm-suffix" and p == "specdecpp")]
 
 
 def test_every_policy_is_covered():
@@ -191,7 +199,8 @@ def test_every_policy_is_covered():
 @pytest.mark.slow
 @pytest.mark.parametrize(("drafter", "verifier", "policy"), CHAIN_CASES, ids=["-".join(c) for c in CHAIN_CASES])
 def test_chain_drafters_sample_the_target_distribution(drafter, verifier, policy):
-    built = draft_lm(head=True) if policy in HEAD_POLICIES else CHAIN_DRAFTERS[drafter]()
+    head = suffix_front(head=True) if drafter == "draft-lm-suffix" else draft_lm(head=True)
+    built = head if policy in HEAD_POLICIES else CHAIN_DRAFTERS[drafter]()
     generator = SpeculativeGenerator(table_target(TARGET), built, verifier, K, policy=POLICIES[policy]())
     assert report(f"{drafter} {verifier} {policy}", sampled_p_value(generator)) > ALPHA
 
@@ -246,6 +255,26 @@ def test_trimming_while_sampling_is_caught(verifier):
     drafter = TrimWhileSampling(draft_lm(head=True), policy.best_prefix)
     generator = SpeculativeGenerator(table_target(TARGET), drafter, verifier, K, policy=policy)  # type: ignore[arg-type]
     assert report(f"mutant: goodput_head trim while sampling, {verifier}", sampled_p_value(generator)) < MUTANT_ALPHA
+
+
+class FrontChosenAfterDrawing(SuffixFrontDrafter):
+    """Mutant: the draft LM draws first, and its draft is swapped for the suffix front's when the token it
+    drew was unlikely under its own q: which draft is verified then depends on the drawn value."""
+
+    def propose(self, context, k, sampling, generator, stop=None):
+        drawn = self.back.propose(context, k, sampling, generator, stop)
+        front, _ = self.front.scored(context, k)
+        if front.tokens and drawn.q is not None and drawn.q[0, drawn.tokens[0]] < 0.5:
+            return front
+        return drawn
+
+
+@pytest.mark.slow
+def test_choosing_the_front_after_drawing_is_caught():
+    """draft-lm-suffix decides from the context alone; deciding from the draw must fail the same test."""
+    drafter = FrontChosenAfterDrawing(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), draft_lm(), min_score=1.0)
+    generator = SpeculativeGenerator(table_target(TARGET), drafter, "rejection", K)
+    assert report("mutant: front chosen after drawing", sampled_p_value(generator)) < MUTANT_ALPHA
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
 from specops.drafters.suffix import SuffixCache, SuffixDrafter
+from specops.drafters.suffix_front import SuffixFrontDrafter
 from tests.conftest import tiny_llama, tiny_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -171,7 +172,9 @@ def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
     plain = SpeculativeGenerator(target, None, "greedy", WIDTH - 1, static_width=WIDTH)
     drafters = {"prompt-lookup": PromptLookupDrafter(3), "draft-lm": DraftLMDrafter(draft, target.vocab_size),
                 "self-draft": DraftLMDrafter(target.model, target.vocab_size), "aligned_head": aligned(target.model),
-                "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1)}
+                "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
+                "draft-lm-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
+                                                      DraftLMDrafter(draft, target.vocab_size), 1.0)}
     prompts = [[5, 17, 33, 17, 33, 40], list(range(10, 40)), [7, 7, 7, 7]]
     for name, drafter in drafters.items():
         for verifier in VERIFIERS:
