@@ -121,14 +121,32 @@ def _largest_context(fits: Any, low: int, high: int) -> int:
     return low
 
 
+def require_one_request(budget: int, target: ModelShape, base: DecodingShape, space: PlanSpace,
+                        draft: ModelShape | None = None, draft_vocab: int = 0) -> None:
+    """Raise MemoryBudgetError, saying what takes the memory, when no draft length fits one generation of
+    min_context tokens (cheap: call it before measuring a cost model)."""
+    smallest = min((_report(target, base, draft, draft_vocab, width, k, nodes, 1, space.min_context)
+                    for width, k, nodes in space.drafts()), key=lambda report: report.peak_bytes)
+    if smallest.peak_bytes <= budget:
+        return
+    mib = 2**20
+    hint = ", or serve in bfloat16" if base.dtype == "float32" else ""
+    raise MemoryBudgetError(
+        f"A memory budget of {budget / mib:.0f} MiB cannot hold even one generation of {space.min_context} tokens: "
+        f"the smallest plan needs {smallest.peak_bytes / mib:.0f} MiB (process {smallest.overhead / mib:.0f} + "
+        f"{smallest.residue / mib:.0f}, target weights {smallest.target.bytes / mib:.0f}, draft "
+        f"{(smallest.draft.bytes if smallest.draft else 0) / mib:.0f}, one request {smallest.request.bytes / mib:.0f}; "
+        f"loading peaks at {smallest.load_peak_bytes / mib:.0f}). Raise the budget, lower min_context or the "
+        f"prefill chunk{hint}.")
+
+
 def plan_memory(budget: int, target: ModelShape, base: DecodingShape, space: PlanSpace, cost: StepCost,
                 draft: ModelShape | None = None, draft_vocab: int = 0) -> MemoryPlan:
     """The plan of best goodput within `budget` bytes; MemoryBudgetError when no plan holds one generation."""
+    require_one_request(budget, target, base, space, draft, draft_vocab)
     best: tuple[tuple[float, int, int, int], MemoryPlan] | None = None
-    smallest: MemoryReport | None = None
     for width, k, nodes in space.drafts():
         one = _report(target, base, draft, draft_vocab, width, k, nodes, 1, space.min_context)
-        smallest = one if smallest is None or one.peak_bytes < smallest.peak_bytes else smallest
         if one.peak_bytes > budget:
             continue
         # Serving memory is fixed + slots x per-slot: solve for the most slots.
@@ -140,15 +158,7 @@ def plan_memory(budget: int, target: ModelShape, base: DecodingShape, space: Pla
             key = (value, -report.peak_bytes, -batch, -k)
             if best is None or key > best[0]:
                 best = (key, MemoryPlan(width, k, nodes, batch, space.min_context, budget, value, report))
-    if best is None:
-        assert smallest is not None
-        raise MemoryBudgetError(
-            f"A memory budget of {budget / 2**20:.0f} MiB cannot hold even one generation of {space.min_context} "
-            f"tokens: the smallest plan needs {smallest.peak_bytes / 2**20:.0f} MiB (process "
-            f"{smallest.overhead / 2**20:.0f}, target weights {smallest.target.bytes / 2**20:.0f}, draft "
-            f"{(smallest.draft.bytes if smallest.draft else 0) / 2**20:.0f}, one request "
-            f"{smallest.request.bytes / 2**20:.0f}; loading peaks at {smallest.load_peak_bytes / 2**20:.0f}). "
-            "Raise the budget, lower min_context, or serve in bfloat16.")
+    assert best is not None  # require_one_request found a draft length that fits one generation
     plan = best[1]
 
     def fits(context: int) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import replace
 from specops.core.batching import batch_invariant
 from specops.core.cost_model import measure_cost_model
 from specops.core.memory import DecodingShape, ModelShape
-from specops.core.planner import MemoryPlan, PlanSpace, plan_memory
+from specops.core.planner import MemoryPlan, PlanSpace, plan_memory, require_one_request
 from specops.core.types import PRIOR_ACCEPTANCE
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.server.config import ServerConfig
@@ -63,10 +63,11 @@ def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> Memory
         log.warning("The memory model counts draft LMs only; the %s drafter's own memory is not in the plan.",
                     drafter.name)
     space = plan_space(config, generator)
+    target, base = ModelShape.of(generator.target.model.config), decoding_shape(generator)
+    require_one_request(budget, target, base, space, draft, draft_vocab)  # before the cost model's seconds
     sizes = tuple(n for n in PLANNED_VERIFY_SIZES if n <= max(16, space.max_batch * max(space.max_width, 1)))
     cost = measure_cost_model(generator.target.model, generator.fork(None).drafter, sizes=sizes)
-    return plan_memory(budget, ModelShape.of(generator.target.model.config), decoding_shape(generator), space, cost,
-                       draft, draft_vocab)
+    return plan_memory(budget, target, base, space, cost, draft, draft_vocab)
 
 
 def planned(model: ServedModel, plan: MemoryPlan) -> ServedModel:

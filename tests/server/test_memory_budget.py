@@ -33,8 +33,9 @@ WAIT_S = 30.0  # a bound on waiting for the server to reach a state, never an as
 
 
 class GateDrafter(DrafterBase):
-    """Drafts nothing; once `armed`, every step waits for `release`, so generations stay open on demand.
-    Forks share both events (copy.copy keeps the references)."""
+    """Drafts nothing; once `armed`, every generation waits for `release` as it starts decoding (the loop
+    resets the drafter then, whatever the plan's draft length, even none), so generations stay open on
+    demand. Forks share both events (copy.copy keeps the references)."""
 
     name = "gate"
 
@@ -43,13 +44,12 @@ class GateDrafter(DrafterBase):
         self.release = threading.Event()
 
     def reset(self) -> None:
-        pass
+        if self.armed.is_set():
+            self.release.wait(WAIT_S)
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: torch.Generator | None,
                 stop: TokenStop | None = None) -> Draft:
         refuse_stop(self, stop)
-        if self.armed.is_set():
-            self.release.wait(WAIT_S)
         return EMPTY
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
