@@ -60,7 +60,7 @@ class PlanSpace:
     def drafts(self) -> list[tuple[int, int, int]]:
         """Candidate (static width, draft tokens, tree nodes)."""
         if self.max_width:
-            return [(w, w - 1, 0) for w in range(1, self.max_width + 1) if self.max_draft_tokens or w == 1]
+            return [(w, w - 1, 0) for w in range(1, min(self.max_width, self.max_draft_tokens + 1) + 1)]
         if self.max_tree_nodes:
             depth = max(self.max_draft_tokens, 1)
             return [(0, depth, n) for n in range(1, self.max_tree_nodes + 1)]

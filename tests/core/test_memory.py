@@ -167,6 +167,14 @@ def test_planner_matches_brute_force(space, draft):
         assert plan.report.peak_bytes <= budget
 
 
+def test_configured_values_are_ceilings():
+    static = PlanSpace(max_width=9, max_draft_tokens=3, max_batch=4, batchable=True)
+    assert [(w, k) for w, k, _ in static.drafts()] == [(1, 0), (2, 1), (3, 2), (4, 3)]
+    assert [w for w, _, _ in PlanSpace(max_width=5, max_draft_tokens=0).drafts()] == [1]  # no drafter
+    assert list(static.batches()) == [1, 2, 3, 4]
+    assert list(PlanSpace(max_width=5, max_draft_tokens=4, max_batch=8, batchable=False).batches()) == [1]
+
+
 def test_planner_refuses_a_budget_below_one_request_and_says_why():
     base = DecodingShape(dtype="bfloat16", gguf=True)
     space = PlanSpace(max_width=5, max_draft_tokens=4, max_batch=8, batchable=True, min_context=1024, max_context=8192)

@@ -96,6 +96,7 @@ def test_plan_caps_the_slots_and_the_rest_queue_then_429(start_server, bf16_targ
     live = start_server(model=model, max_batch=8, queue_size=3, memory_budget=f"{budget}B", min_context=64)
     plan = live.state.plan
     assert plan.max_batch == 2 and live.state.worker.batched
+    assert live.state.worker.model.generator.config.static_width == plan.static_width <= WIDTH
     ready = httpx.get(live.url + "/ready").json()
     assert ready["memory_plan"]["max_batch"] == 2 and ready["memory_plan"]["budget_bytes"] == budget
     text = httpx.get(live.url + "/metrics").text
