@@ -51,8 +51,14 @@ class PlanSpace:
     max_context: int = 8192  # the target's context
     acceptance: float = 0.6  # per-token draft acceptance assumed (specops.core.types.PRIOR_ACCEPTANCE)
     cores: int = 2
+    headroom: float = 0.0  # the fraction of the budget the plan leaves unused, for what the model misses
+
+    def usable(self, budget: int) -> int:
+        return int(budget * (1.0 - self.headroom))
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}.")
         if self.max_batch < 1 or not 2 <= self.min_context <= self.max_context:
             raise ValueError(f"max_batch >= 1 and 2 <= min_context <= max_context are needed, got {self.max_batch}, "
                              f"{self.min_context}, {self.max_context}.")
@@ -78,12 +84,14 @@ class MemoryPlan:
     max_batch: int
     max_context: int
     budget_bytes: int
+    usable_bytes: int  # the budget less the headroom: what the predicted peak stays within
     goodput: float  # predicted tokens per second over all slots
     report: MemoryReport
 
     def to_dict(self) -> dict[str, Any]:
         return {"static_width": self.static_width, "draft_tokens": self.draft_tokens, "tree_nodes": self.tree_nodes,
                 "max_batch": self.max_batch, "max_context": self.max_context, "budget_bytes": self.budget_bytes,
+                "usable_bytes": self.usable_bytes,
                 "predicted_peak_bytes": self.report.peak_bytes, "predicted_goodput_tok_s": round(self.goodput, 2)}
 
 
@@ -127,12 +135,13 @@ def require_one_request(budget: int, target: ModelShape, base: DecodingShape, sp
     min_context tokens (cheap: call it before measuring a cost model)."""
     smallest = min((_report(target, base, draft, draft_vocab, width, k, nodes, 1, space.min_context)
                     for width, k, nodes in space.drafts()), key=lambda report: report.peak_bytes)
-    if smallest.peak_bytes <= budget:
+    if smallest.peak_bytes <= space.usable(budget):
         return
     mib = 2**20
     hint = ", or serve in bfloat16" if base.dtype == "float32" else ""
     raise MemoryBudgetError(
-        f"A memory budget of {budget / mib:.0f} MiB cannot hold even one generation of {space.min_context} tokens: "
+        f"A memory budget of {budget / mib:.0f} MiB ({space.usable(budget) / mib:.0f} usable after a headroom of "
+        f"{space.headroom:.0%}) cannot hold even one generation of {space.min_context} tokens: "
         f"the smallest plan needs {smallest.peak_bytes / mib:.0f} MiB (process {smallest.overhead / mib:.0f} + "
         f"{smallest.residue / mib:.0f}, target weights {smallest.target.bytes / mib:.0f}, draft "
         f"{(smallest.draft.bytes if smallest.draft else 0) / mib:.0f}, one request {smallest.request.bytes / mib:.0f}; "
@@ -142,28 +151,30 @@ def require_one_request(budget: int, target: ModelShape, base: DecodingShape, sp
 
 def plan_memory(budget: int, target: ModelShape, base: DecodingShape, space: PlanSpace, cost: StepCost,
                 draft: ModelShape | None = None, draft_vocab: int = 0) -> MemoryPlan:
-    """The plan of best goodput within `budget` bytes; MemoryBudgetError when no plan holds one generation."""
+    """The plan of best goodput within `budget` bytes less the space's headroom; MemoryBudgetError when no plan
+    holds one generation."""
     require_one_request(budget, target, base, space, draft, draft_vocab)
+    usable = space.usable(budget)
     best: tuple[tuple[float, int, int, int], MemoryPlan] | None = None
     for width, k, nodes in space.drafts():
         one = _report(target, base, draft, draft_vocab, width, k, nodes, 1, space.min_context)
-        if one.peak_bytes > budget:
+        if one.peak_bytes > usable:
             continue
         # Serving memory is fixed + slots x per-slot: solve for the most slots.
         fixed = one.serving_peak_bytes - one.request.bytes
-        most = min(max(space.batches()), (budget - fixed) // one.request.bytes)
+        most = min(max(space.batches()), (usable - fixed) // one.request.bytes)
         for batch in range(1, most + 1):
             value = goodput(cost, space, width, k, nodes, batch)
             report = _report(target, base, draft, draft_vocab, width, k, nodes, batch, space.min_context)
             key = (value, -report.peak_bytes, -batch, -k)
             if best is None or key > best[0]:
-                best = (key, MemoryPlan(width, k, nodes, batch, space.min_context, budget, value, report))
+                best = (key, MemoryPlan(width, k, nodes, batch, space.min_context, budget, usable, value, report))
     assert best is not None  # require_one_request found a draft length that fits one generation
     plan = best[1]
 
     def fits(context: int) -> bool:
         return _report(target, base, draft, draft_vocab, plan.static_width, plan.draft_tokens, plan.tree_nodes,
-                       plan.max_batch, context).peak_bytes <= budget
+                       plan.max_batch, context).peak_bytes <= usable
 
     context = _largest_context(fits, space.min_context, space.max_context)
     report = _report(target, base, draft, draft_vocab, plan.static_width, plan.draft_tokens, plan.tree_nodes,

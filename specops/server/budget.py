@@ -40,7 +40,7 @@ def plan_space(config: ServerConfig, generator: TextGenerator) -> PlanSpace:
                      max_tree_nodes=tree, max_batch=config.max_batch, batchable=batchable,
                      min_context=min(config.min_context, generator.target.max_context),
                      max_context=generator.target.max_context, acceptance=PRIOR_ACCEPTANCE,
-                     cores=os.cpu_count() or 1)
+                     cores=os.cpu_count() or 1, headroom=config.memory_headroom)
 
 
 def decoding_shape(generator: TextGenerator) -> DecodingShape:
@@ -89,7 +89,7 @@ def replace_tree(drafter: object, nodes: int) -> object:
 
 def describe(plan: MemoryPlan) -> str:
     report = plan.report
-    return (f"memory plan for {plan.budget_bytes / 2**20:.0f} MiB: static_width {plan.static_width}, draft_tokens "
+    return (f"memory plan for {plan.budget_bytes / 2**20:.0f} MiB ({plan.usable_bytes / 2**20:.0f} usable): static_width {plan.static_width}, draft_tokens "
             f"{plan.draft_tokens}, tree_nodes {plan.tree_nodes}, max_batch {plan.max_batch}, context {plan.max_context}"
             f" tokens; predicted peak {report.peak_bytes / 2**20:.0f} MiB (process {report.overhead / 2**20:.0f}, "
             f"target {report.target.bytes / 2**20:.0f}, draft {(report.draft.bytes if report.draft else 0) / 2**20:.0f},"

@@ -132,6 +132,9 @@ class ServerConfig(HttpConfig):
         None, "the process's memory budget, e.g. 1.5GiB or 900MiB: at start the planner lowers --max-batch, the "
               "static width / draft length / tree size and the context per request until the memory model's peak "
               "fits, and refuses to start if one request cannot; unset: no budget")
+    memory_headroom: float = option(0.1, "with --memory-budget: the fraction of the budget the plan leaves free for "
+                                         "what the memory model does not count (allocator retention across the "
+                                         "server's threads took 4% more than it predicted under load, docs/results.md)")
     min_context: int = option(1024, "with --memory-budget: the tokens (prompt + max_tokens) every generation slot "
                                     "must hold at least, or the server refuses to start")
     # Feedback log for online retraining (its path and retention: HttpConfig).
@@ -158,6 +161,8 @@ class ServerConfig(HttpConfig):
                 raise ValueError("--memory-budget plans the model loaded at start; a hot reload from --model-uri could "
                                  "bring a drafter the plan did not count. Serve the bundle folder instead.")
         _check_positive({"min_context": self.min_context})
+        if not 0.0 <= self.memory_headroom < 1.0:
+            raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}.")
         if self.static_width and (self.bundle or self.model_uri):
             raise ValueError("static_width applies to a plain target and drafter; a bundle's serving.yaml sets its own.")
 

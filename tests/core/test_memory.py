@@ -175,6 +175,17 @@ def test_configured_values_are_ceilings():
     assert list(PlanSpace(max_width=5, max_draft_tokens=4, max_batch=8, batchable=False).batches()) == [1]
 
 
+def test_headroom_leaves_that_share_of_the_budget_unplanned():
+    base = DecodingShape(dtype="bfloat16", sampled=True, gguf=True)
+    space = PlanSpace(max_width=5, max_draft_tokens=4, max_batch=8, batchable=True, min_context=1024, max_context=8192)
+    budget = parse_bytes("1.5GiB")
+    full = plan_memory(budget, ModelShape.of(SMOLLM2), base, space, COST)
+    spared = plan_memory(budget, ModelShape.of(SMOLLM2), base, PlanSpace(**{**space.__dict__, "headroom": 0.1}), COST)
+    assert full.report.peak_bytes > 0.9 * budget >= spared.report.peak_bytes
+    assert spared.usable_bytes == int(0.9 * budget) and spared.budget_bytes == budget
+    assert (spared.max_batch, spared.max_context) < (full.max_batch, full.max_context)
+
+
 def test_planner_refuses_a_budget_below_one_request_and_says_why():
     base = DecodingShape(dtype="bfloat16", gguf=True)
     space = PlanSpace(max_width=5, max_draft_tokens=4, max_batch=8, batchable=True, min_context=1024, max_context=8192)
