@@ -107,12 +107,15 @@ def test_plan_caps_the_slots_and_the_rest_queue_then_429(start_server, bf16_targ
 
     drafter.armed.set()
     with ThreadPoolExecutor(6) as pool:
-        held = [pool.submit(chat, live.url, f"w{i} w{i + 1}") for i in range(5)]
-
         def gauges() -> tuple[float, float]:
             text = httpx.get(live.url + "/metrics").text
             return metric(text, "specops_active_generations"), metric(text, "specops_queue_depth")
 
+        # Two first, taken by the slots, then three more: sent at once, the queue (3) could be full before a
+        # slot took any, and the last ones would get 429 (a slow machine did exactly that).
+        held = [pool.submit(chat, live.url, f"w{i} w{i + 1}") for i in range(2)]
+        wait_for(lambda: gauges() == (2, 0), "2 generations decoding")
+        held += [pool.submit(chat, live.url, f"w{i} w{i + 1}") for i in range(2, 5)]
         wait_for(lambda: gauges() == (2, 3), "2 generations decoding and 3 queued")
         time.sleep(0.3)  # give a wrongly freed slot time to take a queued request
         assert gauges() == (2, 3)
