@@ -17,9 +17,10 @@ config's attributes) and the decoding settings, after reading what the runtime a
     verification makes float32 probabilities of every row and sorts them for top-p (specops.core.sampling);
   * tree buffers on the dynamic runtime: the tree's rows of logits and its additive mask;
   * a fixed process overhead (Python, torch, transformers, the server's imports) and the transient of
-    dequantizing the GGUF at load time, both measured on this machine (constants below).
+    dequantizing the GGUF at load time, both measured on this machine, and a residue calibrated on one
+    configuration of benchmarks/memory_model.py (constants below).
 
-`MemoryReport.peak_bytes` is the larger of the load peak and the serving peak; `plan_memory` (below)
+`MemoryReport.peak_bytes` is the larger of the load peak and the serving peak; specops.core.planner
 picks the draft length, tree size, concurrency and context that fit a budget.
 """
 
@@ -34,8 +35,9 @@ from typing import Any
 # (benchmarks/memory_model.py --overhead, 2026-11-27): 488 MiB.
 RUNTIME_OVERHEAD_BYTES = 488 * 2**20
 # Loading the SmolLM2 GGUF: VmHWM minus VmRSS right after `load_target` (the dequantized float tensors
-# and the mapped file, freed once the model is built), measured in bf16 (227 MiB) and fp32 (230 MiB)
-# by the same script. Independent of the dtype: transformers dequantizes to float32 either way.
+# and the mapped file, freed once the model is built), measured in bf16 (227 MiB) and fp32 (230 MiB) by
+# a probe that loaded the target alone; benchmarks/memory_model.py's 14 loads then measured 222-226 MiB
+# (load_hwm_mib - loaded_rss_mib). Independent of the dtype: transformers dequantizes to float32 either way.
 GGUF_LOAD_TRANSIENT_BYTES = 230 * 2**20
 # What a GGUF target's process holds beyond the terms above once it has served (the tokenizer, 36 MiB by
 # itself; heap the dequantization freed but the allocator kept; kernel workspaces of the first passes).

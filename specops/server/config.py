@@ -133,8 +133,8 @@ class ServerConfig(HttpConfig):
               "static width / draft length / tree size and the context per request until the memory model's peak "
               "fits, and refuses to start if one request cannot; unset: no budget")
     memory_headroom: float = option(0.1, "with --memory-budget: the fraction of the budget the plan leaves free for "
-                                         "what the memory model does not count (allocator retention across the "
-                                         "server's threads took 4% more than it predicted under load, docs/results.md)")
+                                         "what the memory model does not count (under load the server held 4% and "
+                                         "7% more than it predicted, docs/results.md)")
     min_context: int = option(1024, "with --memory-budget: the tokens (prompt + max_tokens) every generation slot "
                                     "must hold at least, or the server refuses to start")
     # Feedback log for online retraining (its path and retention: HttpConfig).
