@@ -22,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -81,6 +82,41 @@ def start_server(spec: str, port: int, folder: Path, args: argparse.Namespace) -
     with open(log, "wb") as handle:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
     return ServerProcess(name, f"http://127.0.0.1:{port}", db, process, log)
+
+
+def process_status_mib(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM (its peak RSS, load included) of a running process, MiB; {} once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return {k: int(v.split()[0]) / 1024 for k, _, v in (line.partition(":") for line in handle)
+                    if k in ("VmRSS", "VmHWM")}
+    except OSError:
+        return {}
+
+
+class RssSampler:
+    """Samples each server's resident memory every `interval_s` while the phases run (a second view of the
+    peak beside the kernel's VmHWM, read before the server stops)."""
+
+    def __init__(self, servers: list[ServerProcess], interval_s: float) -> None:
+        self.servers, self.interval_s = servers, interval_s
+        self.max_rss: dict[str, float] = {server.drafter: 0.0 for server in servers}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            for server in self.servers:
+                rss = process_status_mib(server.process.pid).get("VmRSS", 0.0)
+                self.max_rss[server.drafter] = max(self.max_rss[server.drafter], rss)
+
+
+def memory_budget_mib(spec: str) -> float | None:
+    """The --memory-budget a server spec passes, in MiB (None without one)."""
+    from specops.core.memory import parse_bytes
+
+    words = spec.partition("=")[2].split()
+    return parse_bytes(words[words.index("--memory-budget") + 1]) / 2**20 if "--memory-budget" in words else None
 
 
 def wait_ready(server: ServerProcess, deadline: float) -> None:
@@ -175,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads per server (0: torch's default, one per core); 1 avoids stalls when "
                              "other work holds a core")
     parser.add_argument("--base-port", type=int, default=18400, help="servers listen on base-port, base-port+1, ...")
+    parser.add_argument("--rss-interval-s", type=float, default=0.05,
+                        help="how often each server's resident memory is sampled during the phases")
     parser.add_argument("--out", default="benchmarks/results/load_test.json")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
@@ -223,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         for server in servers:
             wait_ready(server, deadline)
+        sampler = RssSampler(servers, args.rss_interval_s)
+        sampler.thread.start()
         for phase, concurrency in enumerate(args.concurrency):
             # Rotate which server goes first, so none always runs right after another's load.
             order = servers[phase % len(servers):] + servers[: phase % len(servers)]
@@ -234,6 +274,14 @@ def main(argv: list[str] | None = None) -> None:
                       f"p50 {summary['latency_p50_s']} s, p99 {summary['latency_p99_s']} s, "
                       f"TTFT p99 {summary['ttft_p99_s']} s, errors {summary['errors']}, rows {summary['rows_logged']}",
                       flush=True)
+        sampler.stop.set()
+        report["memory"] = {
+            server.drafter: {"budget_mib": memory_budget_mib(spec), "max_rss_sampled_mib": sampler.max_rss[server.drafter],
+                             **{f"{k}_at_end_mib": v for k, v in process_status_mib(server.process.pid).items()}}
+            for server, spec in zip(servers, args.servers, strict=True)}
+        for name, memory in report["memory"].items():
+            print(f"{name:>14} memory: peak RSS (VmHWM) {memory.get('VmHWM_at_end_mib')} MiB, sampled max "
+                  f"{memory['max_rss_sampled_mib']} MiB, budget {memory['budget_mib']} MiB", flush=True)
     finally:
         for server in servers:
             server.process.terminate()

@@ -32,8 +32,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from specops.core.memory import parse_bytes
+from specops.core.planner import MemoryPlan
 from specops.core.target import Target, encode_prompt, load_target
 from specops.core.types import SamplingParams
+from specops.server.budget import describe, memory_plan, planned
 from specops.server.config import ServerConfig
 from specops.server.feedback import FeedbackLog
 from specops.server.guards import STATUS_KEY, RequestRecorder, install_guards
@@ -151,13 +154,18 @@ class Server:
     """The state behind one app: the worker, its metrics and feedback log, and the optional watcher."""
 
     def __init__(self, config: ServerConfig, model: ServedModel, metrics: ServerMetrics,
-                 watcher: RegistryWatcher | None) -> None:
+                 watcher: RegistryWatcher | None, plan: MemoryPlan | None = None) -> None:
+        """`plan` (a --memory-budget's) sets the generation slots and the longest request."""
         self.config = config
         self.metrics = metrics
+        self.plan = plan
         self.feedback = (FeedbackLog(config.feedback_db, config.feedback_max_rows, config.log_prompt_text)
                          if config.feedback else None)
-        self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback, config.max_batch,
+        slots = plan.max_batch if plan is not None else config.max_batch
+        self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback, slots,
                                        config.batch_window_ms / 1000)
+        if plan is not None:
+            metrics.set_plan(plan.to_dict())
         self.watcher = watcher
         self.started = int(time.time())
 
@@ -234,6 +242,8 @@ class Server:
                            f"{self.config.max_prompt_tokens} (max_prompt_tokens).", param=prompt_param,
                            code="prompt_too_long")
         limit = self.worker.model.target.max_context
+        if self.plan is not None and self.plan.max_context < limit:
+            return self._check_planned(prompt_tokens, max_tokens, prompt_param, self.plan)
         if prompt_tokens >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
                            f"{prompt_tokens} tokens.", param=prompt_param, code="context_length_exceeded")
@@ -243,6 +253,22 @@ class Server:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                            f"{prompt_tokens} tokens, so max_tokens can be at most {limit - prompt_tokens}, not "
                            f"{max_tokens}.", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def _check_planned(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str, plan: MemoryPlan) -> int:
+        """The context the memory plan gives each generation slot: longer requests do not fit the budget."""
+        limit, budget = plan.max_context, f"{plan.budget_bytes / 2**20:.0f} MiB"
+        if prompt_tokens >= limit:
+            raise ApiError(400, f"The prompt has {prompt_tokens} tokens; under this server's memory budget ({budget}) "
+                           f"a request holds at most {limit} tokens, prompt and max_tokens together.",
+                           param=prompt_param, code="memory_budget_exceeded")
+        if max_tokens is None:
+            return min(self.config.default_max_tokens, limit - prompt_tokens)
+        if prompt_tokens + max_tokens > limit:
+            raise ApiError(400, f"Under this server's memory budget ({budget}) a request holds at most {limit} "
+                           f"tokens; the prompt has {prompt_tokens}, so max_tokens can be at most "
+                           f"{limit - prompt_tokens}, not {max_tokens}.", param="max_tokens",
+                           code="memory_budget_exceeded")
         return max_tokens
 
     def _submit(self, request: Request, body: SamplingFields, request_id: str, ask: Ask, max_tokens: int) -> Pending:
@@ -433,7 +459,8 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         if (refusal := server.worker.feedback_refusal()) is not None:
             return JSONResponse({"status": "degraded", "reason": refusal.message}, status_code=503)
         if server.worker.ready.is_set():
-            return JSONResponse({"status": "ready", **server.worker.model.describe()})
+            plan = {"memory_plan": server.plan.to_dict()} if server.plan is not None else {}
+            return JSONResponse({"status": "ready", **server.worker.model.describe(), **plan})
         status = "failed" if server.worker.failure else "starting"
         return JSONResponse({"status": status, "reason": server.worker.failure}, status_code=503)
 
@@ -462,7 +489,12 @@ def create_app(config: ServerConfig, model: ServedModel | None = None, target: T
     watcher = None
     if model is None:
         model, watcher = load_model(config, metrics, target)
-    server = Server(config, model, metrics, watcher)
+    plan = None
+    if config.memory_budget is not None:  # refuses (MemoryBudgetError) when one request cannot fit
+        plan = memory_plan(config, model, parse_bytes(config.memory_budget))
+        model = planned(model, plan)
+        log.warning(describe(plan))  # warning: `specops serve` logs at that level and the plan must show
+    server = Server(config, model, metrics, watcher, plan)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

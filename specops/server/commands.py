@@ -68,6 +68,9 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--queue-size", type=int, help=help_of("queue_size"))
     serve.add_argument("--default-max-tokens", type=int, help=help_of("default_max_tokens"))
     serve.add_argument("--max-prompt-tokens", type=int, help=help_of("max_prompt_tokens"))
+    serve.add_argument("--memory-budget", help=help_of("memory_budget"))
+    serve.add_argument("--min-context", type=int, help=help_of("min_context"))
+    serve.add_argument("--memory-headroom", type=float, help=help_of("memory_headroom"))
     serve.add_argument("--no-feedback", dest="feedback", action="store_const", const=False,
                        help="do not log requests to the feedback database")
     _add_http(serve)

@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from specops.core.memory import parse_bytes
 from specops.core.target import DTYPES
 from specops.drafters.kinds import DRAFTERS
 
@@ -126,6 +127,16 @@ class ServerConfig(HttpConfig):
     default_max_tokens: int = option(256, "max_tokens when a request gives none (cut to the context left)")
     max_prompt_tokens: int = option(4096, "longer prompts get 400: a prompt's prefill holds every queued request "
                                           "up (an abandoned one stops within one prefill chunk, DecodingConfig)")
+    # Memory budget (SpecMemo, specops/server/budget.py): the planner fits width, drafts, slots and context into it.
+    memory_budget: str | None = option(
+        None, "the process's memory budget, e.g. 1.5GiB or 900MiB: at start the planner lowers --max-batch, the "
+              "static width / draft length / tree size and the context per request until the memory model's peak "
+              "fits, and refuses to start if one request cannot; unset: no budget")
+    memory_headroom: float = option(0.1, "with --memory-budget: the fraction of the budget the plan leaves free for "
+                                         "what the memory model does not count (under load the server held 4% and "
+                                         "7% more than it predicted, docs/results.md)")
+    min_context: int = option(1024, "with --memory-budget: the tokens (prompt + max_tokens) every generation slot "
+                                    "must hold at least, or the server refuses to start")
     # Feedback log for online retraining (its path and retention: HttpConfig).
     feedback: bool = option(True, "log one row per finished request to the feedback database")
 
@@ -144,6 +155,14 @@ class ServerConfig(HttpConfig):
                          "max_prompt_tokens": self.max_prompt_tokens, "max_batch": self.max_batch})
         if self.poll_s < 0 or self.batch_window_ms < 0 or self.static_width < 0:
             raise ValueError("poll_s, batch_window_ms and static_width must be >= 0.")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # a bad size fails here, with the CLI's message
+            if self.model_uri:
+                raise ValueError("--memory-budget plans the model loaded at start; a hot reload from --model-uri could "
+                                 "bring a drafter the plan did not count. Serve the bundle folder instead.")
+        _check_positive({"min_context": self.min_context})
+        if not 0.0 <= self.memory_headroom < 1.0:
+            raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}.")
         if self.static_width and (self.bundle or self.model_uri):
             raise ValueError("static_width applies to a plain target and drafter; a bundle's serving.yaml sets its own.")
 

@@ -25,6 +25,16 @@ DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def resident_bytes() -> float:
+    """This process's resident memory from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as handle:
+            line = next(line for line in handle if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0.0
+    return float(line.split()[1]) * 1024
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -67,6 +77,17 @@ class ServerMetrics:
                                         "retention cap.", registry=r)
         self.feedback_errors = Counter("specops_feedback_errors", "Feedback rows that could not be written.",
                                        registry=r)
+
+    def set_plan(self, plan: dict[str, float]) -> None:
+        """A --memory-budget's plan, one gauge per field (specops/server/budget.py)."""
+        self.memory_plan = Gauge("specops_memory_plan", "The memory plan: budget_bytes, predicted_peak_bytes, "
+                                 "max_batch, max_context, static_width, draft_tokens, tree_nodes.", ["field"],
+                                 registry=self.registry)
+        for name, value in plan.items():
+            self.memory_plan.labels(field=name).set(value)
+        self.resident = Gauge("specops_resident_memory_bytes", "The server process's resident memory (VmRSS).",
+                              registry=self.registry)
+        self.resident.set_function(resident_bytes)
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)

@@ -60,9 +60,14 @@ class ServedModel:
 
 
 def warm_up(model: ServedModel) -> None:
-    """Short greedy and sampled generations: the first calls pay one-off costs that a request should not see."""
+    """Short greedy and sampled generations: the first calls pay one-off costs that a request should not see.
+
+    The last asks for one token, so the target runs a one-row pass (a step without a draft): in float32 that
+    builds SmallBatchLinear's transposed weights, which would otherwise appear at the first such step of
+    some request, hours into serving. The memory plan (specops/server/budget.py) counts them from the start."""
     for sampling in WARMUP_SAMPLINGS:
         model.generator.generate_text(WARMUP_PROMPT, max_new_tokens=WARMUP_TOKENS, **sampling)
+    model.generator.generate_text(WARMUP_PROMPT, max_new_tokens=1)
 
 
 @dataclass(frozen=True)

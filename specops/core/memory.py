@@ -1,0 +1,282 @@
+"""A memory model of speculative decoding (SpecMemo, arXiv 2506.01986): bytes from the configs alone.
+
+Nothing here allocates or imports torch: every term is computed from the model shapes (a Hugging Face
+config's attributes) and the decoding settings, after reading what the runtime actually keeps:
+
+  * the target's weights, once per parameter (tied embeddings once); the static runtime's lean forward
+    (specops.core.llama) stores q|k|v and gate|up concatenated, a second copy of those products; the
+    float32 dynamic runtime's SmallBatchLinear keeps a transposed copy of every linear weight it runs
+    on one row (specops.core.small_batch_linear), the tied LM head included;
+  * the target's KV cache per request: the static runtime allocates layers x 2 x kv_heads x slots x
+    head_dim at the start of a generation, slots = static_cache_length (rounded to STATIC_BUCKET), plus
+    its rotary tables; the dynamic cache grows to the tokens held;
+  * the draft LM's weights (shared by every generation slot) and its dynamic KV cache per request;
+  * the buffers of one pass: the lean forward returns logits for every row and keeps every layer's output
+    (`captured`, then stacked: two copies), so a prefill chunk of n rows holds n x V logits and
+    2 x n x L x H activations; a verification pass of `width` rows the same at its width; sampled
+    verification makes float32 probabilities of every row and sorts them for top-p (specops.core.sampling);
+  * tree buffers on the dynamic runtime: the tree's rows of logits and its additive mask;
+  * a fixed process overhead (Python, torch, transformers, the server's imports) and the transient of
+    dequantizing the GGUF at load time, both measured on this machine, and a residue calibrated on one
+    configuration of benchmarks/memory_model.py (constants below).
+
+`MemoryReport.peak_bytes` is the larger of the load peak and the serving peak; specops.core.planner
+picks the draft length, tree size, concurrency and context that fit a budget.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Process overhead: VmRSS of `python -c "import specops.server.app"` after the import (torch 2.13,
+# transformers 5.23, fastapi, uvicorn; no model), median of 3 runs on this repo's 2-core machine
+# (benchmarks/memory_model.py --overhead, 2026-11-27): 488 MiB.
+RUNTIME_OVERHEAD_BYTES = 488 * 2**20
+# Loading the SmolLM2 GGUF: VmHWM minus VmRSS right after `load_target` (the dequantized float tensors
+# and the mapped file, freed once the model is built), measured in bf16 (227 MiB) and fp32 (230 MiB) by
+# a probe that loaded the target alone; benchmarks/memory_model.py's 14 loads then measured 222-226 MiB
+# (load_hwm_mib - loaded_rss_mib). Independent of the dtype: transformers dequantizes to float32 either way.
+GGUF_LOAD_TRANSIENT_BYTES = 230 * 2**20
+# What a GGUF target's process holds beyond the terms above once it has served (the tokenizer, 36 MiB by
+# itself; heap the dequantization freed but the allocator kept; kernel workspaces of the first passes).
+# Calibrated on ONE configuration of benchmarks/memory_model.py (bf16, static width 1, no draft, one
+# request of 64 + 64 tokens: measured serving peak 998 MiB minus the model's 904 without it) and
+# validated on the others; it counts in the load peak too (the tokenizer loads first).
+RUNTIME_RESIDUE_BYTES = 94 * 2**20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STATIC_BUCKET = 64  # specops.core.kv.STATIC_BUCKET; a test checks they agree (core.kv imports torch)
+MIN_ROWS = 2  # specops.core.llama.MIN_ROWS, checked likewise
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1.5GiB' -> 1610612736; units B, kB/MB/GB (powers of 10) and KiB/MiB/GiB (powers of 2), any case."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"Cannot read '{text}' as a size: write a number and a unit, e.g. 1.5GiB, 800MiB or 2GB.")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def static_cache_length(prompt_tokens: int, max_new_tokens: int, width: int) -> int:
+    """specops.core.kv.static_cache_length, restated torch-free (a test checks they agree)."""
+    need = prompt_tokens + max_new_tokens + width
+    return -(-need // STATIC_BUCKET) * STATIC_BUCKET
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama-architecture model that its memory depends on."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    max_context: int = 8192
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        """From a transformers config (attributes only, so any object with them will do)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+                   config.num_attention_heads, config.num_key_value_heads, head_dim, config.vocab_size,
+                   bool(getattr(config, "tie_word_embeddings", False)),
+                   int(getattr(config, "max_position_embeddings", 8192)))
+
+    @property
+    def qkv_params(self) -> int:
+        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """q, k, v, o, gate, up, down and two norms."""
+        return self.qkv_params + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.intermediate \
+            + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter once: tied embeddings count once."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * self.layer_params + self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the nn.Linear layers (the LM head included, tied or not)."""
+        return self.layers * (self.layer_params - 2 * self.hidden) + self.vocab * self.hidden
+
+    def kv_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """Keys and values of `tokens` positions in every layer."""
+        return self.layers * 2 * self.kv_heads * tokens * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class DecodingShape:
+    """The serving settings the memory depends on (a DecodingConfig plus the load's)."""
+
+    dtype: str = "bfloat16"
+    static_width: int = 0  # 0: the dynamic runtime
+    draft_tokens: int = 0  # chain drafts; a tree's depth
+    tree_nodes: int = 0  # > 0: the drafter grows trees (dynamic runtime only)
+    concurrency: int = 1  # generations decoding at once (1 unless the runtime batches exactly)
+    context: int = 2048  # prompt + max_tokens every slot must hold
+    prefill_chunk: int = 512  # DEFAULT_PREFILL_CHUNK
+    sampled: bool = False  # sampled verification (float32 probabilities) rather than greedy only
+    gguf: bool = True  # the target is dequantized from a GGUF at load
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"Unknown dtype '{self.dtype}'. Choose one of: {', '.join(DTYPE_BYTES)}.")
+        if self.concurrency < 1 or self.context < 2 or self.static_width < 0 or self.draft_tokens < 0:
+            raise ValueError("concurrency >= 1, context >= 2, static_width >= 0 and draft_tokens >= 0 are needed.")
+        if self.static_width and self.tree_nodes:
+            raise ValueError("The static runtime verifies chains only (tree_nodes must be 0).")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def pass_rows(self) -> int:
+        """Rows of one verification pass: the static width, or the last token plus the draft (chain or tree)."""
+        return self.static_width or 1 + (self.tree_nodes or self.draft_tokens)
+
+
+@dataclass(frozen=True)
+class TargetWeights:
+    params: int  # the HF model's parameters, once
+    lean_copy: int  # the static runtime's fused q|k|v and gate|up copies (0 on the dynamic runtime)
+    transposed: int  # float32 dynamic runtime: SmallBatchLinear's transposed copies
+    dtype_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return (self.params + self.lean_copy + self.transposed) * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class DraftWeights:
+    params: int
+    vocab_rows: int  # a draft vocabulary's LM-head rows, copied out of the full head (draft_lm.draft_head)
+    transposed: int  # float32: SmallBatchLinear's transposed copies of its decoder's linears
+    dtype_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return (self.params + self.vocab_rows + self.transposed) * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class RequestMemory:
+    """What one concurrent generation holds at its peak, in bytes."""
+
+    target_kv: int
+    rotary: int  # the static runtime's cos and sin tables
+    draft_kv: int
+    prefill: int  # one prefill chunk's buffers (logits, layer outputs, attention scores, MLP)
+    verification: int  # one verification pass's logits and activations, float32 copies when sampled
+    tree: int  # a tree's mask and rows beyond a chain's
+
+    @property
+    def bytes(self) -> int:
+        # A request prefills, then decodes: its pass buffers are one or the other, never both.
+        return self.target_kv + self.rotary + self.draft_kv + max(self.prefill, self.verification + self.tree)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    target: TargetWeights
+    draft: DraftWeights | None
+    request: RequestMemory
+    concurrency: int
+    overhead: int = RUNTIME_OVERHEAD_BYTES
+    load_transient: int = GGUF_LOAD_TRANSIENT_BYTES
+    residue: int = RUNTIME_RESIDUE_BYTES
+
+    @property
+    def load_peak_bytes(self) -> int:
+        """While loading: the HF weights plus the dequantization transient (the lean copies come later)."""
+        return self.overhead + self.residue + self.target.params * self.target.dtype_bytes + self.load_transient
+
+    @property
+    def serving_peak_bytes(self) -> int:
+        draft = self.draft.bytes if self.draft is not None else 0
+        return self.overhead + self.residue + self.target.bytes + draft + self.concurrency * self.request.bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.load_peak_bytes, self.serving_peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(target_bytes=self.target.bytes, draft_bytes=self.draft.bytes if self.draft else 0,
+                   request_bytes=self.request.bytes, load_peak_bytes=self.load_peak_bytes,
+                   serving_peak_bytes=self.serving_peak_bytes, peak_bytes=self.peak_bytes)
+        return out
+
+
+def _pass_bytes(shape: ModelShape, rows: int, keys: int, dtype_bytes: int, all_logits: bool) -> int:
+    """Live buffers at the peak of one forward over `rows` tokens attending to `keys` positions.
+
+    The lean forward (all_logits) ends with logits [rows, V], every layer's output kept and then stacked
+    [rows, L, H] twice, the final norm's float32 statistics [rows, H]. The HF forward (prefill with
+    logits_to_keep=1) peaks inside a layer instead: the MLP's gate, up and their product [rows, I] and
+    SDPA's float32 scores [heads, rows, keys]."""
+    rows = max(rows, MIN_ROWS)
+    scores = shape.heads * rows * keys * 4
+    mlp = 3 * rows * shape.intermediate * dtype_bytes
+    if all_logits:
+        return rows * shape.vocab * dtype_bytes + 2 * rows * shape.layers * shape.hidden * dtype_bytes \
+            + rows * shape.hidden * 4 + max(scores, mlp)
+    return shape.vocab * dtype_bytes + scores + mlp
+
+
+def _sampled_bytes(rows: int, vocab: int) -> int:
+    """Sampled verification: float32 scores and probabilities, top-p's sorted copy (float32) and its
+    int64 order, the cumulative sum; per row of the pass."""
+    return rows * vocab * (4 + 4 + 4 + 8 + 4)
+
+
+def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape | None = None,
+                  draft_vocab: int = 0) -> MemoryReport:
+    """The memory of serving `target` (and `draft`, a draft LM with a `draft_vocab`-token vocabulary, 0 for
+    the full one) as `decoding` says."""
+    b = decoding.dtype_bytes
+    static = decoding.static_width > 0
+    fp32_small_batch = decoding.dtype == "float32"  # load_target / load_draft swap their linears then
+    lean = target.layers * (target.qkv_params + 2 * target.hidden * target.intermediate) if static else 0
+    weights = TargetWeights(target.params, lean, target.linear_params if fp32_small_batch and not static else 0, b)
+    draft_weights = None
+    if draft is not None:
+        # The draft runs its decoder through SmallBatchLinear; its head too unless it drafts a reduced vocabulary.
+        transposed = draft.linear_params - (draft.vocab * draft.hidden if draft_vocab else 0)
+        draft_weights = DraftWeights(draft.params, draft_vocab * draft.hidden, transposed if fp32_small_batch else 0, b)
+    tokens = decoding.context + decoding.pass_rows
+    slots = static_cache_length(decoding.context, 0, decoding.static_width) if static else tokens
+    chunk = min(decoding.prefill_chunk or decoding.context, decoding.context)
+    rows = decoding.pass_rows
+    verification = _pass_bytes(target, rows, slots, b, all_logits=static) if static else \
+        rows * target.vocab * b + _pass_bytes(target, rows, slots, b, all_logits=False)
+    if decoding.sampled:
+        verification += _sampled_bytes(rows, target.vocab) + decoding.draft_tokens * target.vocab * 4
+    tree = 0
+    if decoding.tree_nodes:  # the additive mask in the model dtype, [rows, keys]
+        tree = rows * slots * b
+    request = RequestMemory(
+        target_kv=target.kv_bytes(slots, b),
+        rotary=2 * slots * target.head_dim * b if static else 0,
+        draft_kv=draft.kv_bytes(tokens, b) if draft is not None else 0,
+        prefill=_pass_bytes(target, chunk, slots, b, all_logits=static),
+        verification=verification,
+        tree=tree)
+    return MemoryReport(weights, draft_weights, request, decoding.concurrency,
+                        load_transient=GGUF_LOAD_TRANSIENT_BYTES if decoding.gguf else 0,
+                        residue=RUNTIME_RESIDUE_BYTES if decoding.gguf else 0)
+
