@@ -82,14 +82,15 @@ def project_params(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "metrics": {"dir": "metrics"},
         "mlflow": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}", "model_name": MODEL},
         "prepare": {"sharegpt_max": 4 * args.setup_prompts, "humaneval": False, "test_fraction": 0.1,
-                    "max_prompt_tokens": 256},
+                    "max_prompt_tokens": 256, "out_dir": "data/prompts"},
         # ShareGPT's own replies teacher-forced (the cheapest start; the README's OSD numbers are from it),
         # an 8k-token draft vocabulary as in the quickstart.
         "collect": {"responses": "dataset", "max_new_tokens": 128, "top_k_logits": 32, "hidden_layers": [],
-                    "shard_size": 16, "splits": ["train"], "max_prompts_per_split": args.setup_prompts},
+                    "shard_size": 16, "splits": ["train"], "max_prompts_per_split": args.setup_prompts,
+                    "out_dir": "data/traces"},
         "train_draft": {"init_layers_from_target": True, "num_layers": 2, "train_embeddings": False,
                         "draft_vocab_size": 8192, "lr": 1e-3, "epochs": args.setup_epochs, "batch_size": 8,
-                        "max_seq_len": 384, "accelerator": "cpu"},
+                        "max_seq_len": 384, "accelerator": "cpu", "out_dir": "models/draft_lm"},
         "evaluate": {"split": "test"},
         "register": {"experiment": "osd-shift", "artifact_root": str(workdir / "mlartifacts")},
         # Gate on the deterministic acceptance length by default: wall-clock speed on a shared 2-core
