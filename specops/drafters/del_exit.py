@@ -122,15 +122,16 @@ class ExitHeads(nn.Module):
         return heads.to(dtype).eval()
 
 
-# Costs in the time of one decoder layer run for one drafted token. Measured 2026-11-27 on this repo's
-# 2-core CPU, SmolLM2-135M bf16 on the static runtime at width 5, 300-token cache, median of 30 (see
-# docs/results.md): one layer of a one-token draft pass 0.63 ms, an 8192-row exit head 0.45 ms, a
-# verification pass 21 ms.
+# Costs in the time of one decoder layer run for one drafted token (SmolLM2-135M, bf16, static runtime,
+# width 5). From this repo's documented timings on its 2-core CPU (DESIGN.md, docs/results.md): a bf16
+# static pass of up to 5 rows ~22 ms, of which the 49k-row LM head ~2.3 ms, so a layer ~0.65 ms, an
+# 8192-row exit head ~0.4 ms (0.6 layers) and a verification ~34 layers. (A direct measurement on
+# 2026-11-27 ran on a saturated machine, load average 6 on 2 cores, and was too noisy to use.)
 @dataclass(frozen=True)
 class ExitCosts:
     layer: float = 1.0
-    head: float = 0.7
-    verify: float = 33.0
+    head: float = 0.6
+    verify: float = 34.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
