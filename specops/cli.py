@@ -82,7 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                       draft_tokens=args.draft_tokens, draft_model=args.draft_model,
                       acceptance_head=args.acceptance_head, stop_threshold=args.stop_threshold,
                       aligned_head=args.aligned_head, exit_heads=args.exit_heads, static_width=args.static_width,
-                      compiled=args.compile)
+                      compiled=args.compile, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens)
     if args.draft_model and not any(MethodSpec.parse(d).drafter.weights == "draft_lm" for d in cfg.drafters):
         cfg.drafters.append("draft-lm")
     prompts = bench_prompts(args.dataset, args.n)
@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(bench)
     bench.add_argument("--compare-dtype", choices=["float32", "bfloat16"], default=None,
                        help="also run HF greedy and our plain decoding with the target in this dtype, interleaved")
+    bench.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                       help="HF prompt lookup's prompt_lookup_num_tokens (BenchConfig's default: 10, HF's documented one); 0 skips that baseline")
     bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
     _add_target_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -257,7 +257,8 @@ class DELDrafter(DrafterBase):
         self._turn, self._target_next = 0, None
 
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
-        """Draft into the target's own static cache; a dynamic one cannot be shared (the private cache stays)."""
+        """Draft into the target's own static cache. A dynamic cache, or a static one whose passes a batcher
+        runs with other sequences', is not shared: the private early-layer cache stays."""
         if isinstance(lm, StaticLM) and lm.batcher is None:
             self.cache.share(lm)
 
