@@ -54,10 +54,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     config = DecodingConfig(drafter=args.drafter, verifier=args.verifier, draft_tokens=args.draft_tokens,
                             recycling_nodes=args.recycling_nodes, policy=args.policy,
                             tree_nodes=args.tree_nodes, tree_top_k=args.tree_top_k, static_width=args.static_width,
-                            compiled=args.compile)
+                            compiled=args.compile, del_exit_layer=args.del_exit_layer)
     if args.stop_threshold is not None:
         config.stop_threshold = args.stop_threshold
-    weights = DRAFTERS[args.drafter].weights_from(args.draft_model, args.aligned_head)
+    weights = DRAFTERS[args.drafter].weights_from(args.draft_model, args.aligned_head, args.exit_heads)
     drafter = build_drafter(args.drafter, target, config, weights, args.acceptance_head)
     result = TextGenerator(target, drafter, config).generate_text(
         args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, raw=args.raw)
@@ -81,8 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
                       draft_tokens=args.draft_tokens, draft_model=args.draft_model,
                       acceptance_head=args.acceptance_head, stop_threshold=args.stop_threshold,
-                      aligned_head=args.aligned_head, static_width=args.static_width,
-                      compiled=args.compile)
+                      aligned_head=args.aligned_head, exit_heads=args.exit_heads, static_width=args.static_width,
+                      compiled=args.compile, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens)
     if args.draft_model and not any(MethodSpec.parse(d).drafter.weights == "draft_lm" for d in cfg.drafters):
         cfg.drafters.append("draft-lm")
     prompts = bench_prompts(args.dataset, args.n)
@@ -152,6 +152,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _add_aligned_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aligned-head", help="folder of an aligned head (specops stage train_aligned, "
                         "models/aligned_head); needed by aligned_head and aligned_head_tree")
+    parser.add_argument("--exit-heads", help="folder of DEL's exit heads (specops stage train_exit, "
+                        "models/exit_heads); needed by del")
 
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
@@ -184,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="chain draft length / tree depth limit")
     gen.add_argument("--recycling-nodes", type=int, default=DecodingConfig.recycling_nodes, help="Token Recycling tree size")
     _add_aligned_args(gen)
+    gen.add_argument("--del-exit-layer", type=int, default=DecodingConfig.del_exit_layer,
+                     help="del: the exit layer to draft from (one of the exit heads'); 0 adapts it per step")
     gen.add_argument("--tree-nodes", type=int, default=DecodingConfig.tree_nodes, help="aligned_head_tree, draft-lm-tree: dynamic tree size")
     gen.add_argument("--tree-top-k", type=int, default=DecodingConfig.tree_top_k, help="aligned_head_tree, draft-lm-tree: top-k tokens per "
                      "expanded node, and nodes expanded per level")
@@ -218,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(bench)
     bench.add_argument("--compare-dtype", choices=["float32", "bfloat16"], default=None,
                        help="also run HF greedy and our plain decoding with the target in this dtype, interleaved")
+    bench.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                       help="HF prompt lookup's prompt_lookup_num_tokens (BenchConfig's default: 10, HF's documented one); 0 skips that baseline")
     bench.add_argument("--out", default="bench.json", help="where to write the JSON report")
     _add_target_args(bench)
     bench.set_defaults(func=cmd_bench)

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specops.core.kv import tree_depths
+from specops.core.kv import CachedLM, StaticLM, tree_depths
 from specops.core.sampling import Randomness
 from specops.core.types import SamplingParams
 
@@ -72,6 +72,11 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget per-sequence state before a new request (learned statistics may persist)."""
 
+    def share_runtime(self, lm: CachedLM | StaticLM) -> None:
+        """The target's runtime of this generation, after `reset` and the prompt's prefill. DEL drafts
+        with the target's first layers and writes their keys and values into its static cache past the
+        committed tokens, where verification overwrites them; every other drafter ignores it."""
+
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:
         """Up to k tokens (or a tree of at most k nodes) continuing `context` (all committed tokens).
@@ -101,6 +106,9 @@ class DrafterBase:
     remembers = 0
 
     def reset(self) -> None:
+        pass
+
+    def share_runtime(self, lm: CachedLM | StaticLM) -> None:
         pass
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:

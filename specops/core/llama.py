@@ -132,6 +132,35 @@ class LlamaForward(nn.Module):
         its own. Writes their keys and values; returns logits [n, V] and every layer's output [n, L, H]."""
         return self.forward_many([Segment(ids, pos, keys, values, cos, sin)])[0]
 
+    def early(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+              cos: torch.Tensor, sin: torch.Tensor, layers: int) -> torch.Tensor:
+        """The first `layers` decoder layers only (DEL's self-drafting, specops.drafters.del_exit): tokens
+        `ids` [n] at positions `pos` [n] write their keys and values in those layers' caches (`keys[i]`
+        for i < layers) and every one of those layers' outputs comes back [n, layers, H]. The same ops as
+        `forward_many` for one sequence; the rows are not padded to MIN_ROWS, since a draft's rounding
+        need not match anything (verification recomputes every row it keeps)."""
+        n = ids.shape[0]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        c, s = cos[pos], sin[pos]
+        mask = self.visibility(pos, keys[0].shape[1])
+        x = F.embedding(ids, self.embed)
+        captured = []
+        for i in range(layers):
+            h = rms_norm(x, self.attn_norm[i], self.eps)
+            q, k, v = F.linear(h, self.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
+            q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), c, s)
+            k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), c, s)
+            keys[i].index_copy_(1, pos, k)
+            values[i].index_copy_(1, pos, v.view(n, self.kv_heads, self.head_dim).transpose(0, 1))
+            att = F.scaled_dot_product_attention(q[None], keys[i][None], values[i][None], attn_mask=mask,
+                                                 enable_gqa=True)[0]
+            x = x + F.linear(att.transpose(0, 1).reshape(n, q_size), self.o[i])
+            h = rms_norm(x, self.mlp_norm[i], self.eps)
+            gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, self.down[i])
+            captured.append(x)
+        return torch.stack(captured, 1)
+
     def forward_many(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over several sequences, each with its own cache: the products run over all their rows
         at once (the weights are read once), attention runs per sequence over its own cache. A row's

@@ -179,6 +179,7 @@ class SpeculativeGenerator:
                 return
             if self.drafter is not None:
                 self.drafter.reset()
+                self.drafter.share_runtime(lm)
                 if lm.features is not None:
                     self.drafter.observe_features(lm.features)
             self.policy.reset()

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from specops.core.policies import POLICIES
 from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, check_runtime
 
-Weights = Literal["draft_lm", "aligned_head"]  # the weights folder a kind loads (a bundle's drafter/)
+Weights = Literal["draft_lm", "aligned_head", "exit_heads"]  # the weights folder a kind loads (a bundle's drafter/)
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,12 @@ class DrafterKind:
     tree: bool = False  # drafts a tree (verified by the tree walk) rather than a chain
     policies: bool = False  # draft-length policies other than "fixed" may set its length
     acceptance_head: bool = False  # may take a SpecDec++ acceptance head (specdecpp, goodput_head)
-    size: Literal["draft_tokens", "tree_nodes", "recycling_nodes"] = "draft_tokens"  # what "@N" sets
+    size: Literal["draft_tokens", "tree_nodes", "recycling_nodes", "del_exit_layer"] = "draft_tokens"  # what "@N" sets
 
-    def weights_from(self, draft_lm: str | Path | None, aligned_head: str | Path | None) -> str | Path | None:
-        """The folder this kind loads, out of a draft-LM folder and an aligned-head folder (None: needs none)."""
-        return {"draft_lm": draft_lm, "aligned_head": aligned_head, None: None}[self.weights]
+    def weights_from(self, draft_lm: str | Path | None, aligned_head: str | Path | None,
+                     exit_heads: str | Path | None = None) -> str | Path | None:
+        """The folder this kind loads, out of a draft-LM, an aligned-head and an exit-heads folder (None: needs none)."""
+        return {"draft_lm": draft_lm, "aligned_head": aligned_head, "exit_heads": exit_heads, None: None}[self.weights]
 
 
 DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
@@ -47,6 +48,8 @@ DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("draft-lm-suffix", weights="draft_lm", policies=True, acceptance_head=True),
     DrafterKind("aligned_head", weights="aligned_head"),
     DrafterKind("aligned_head_tree", weights="aligned_head", tree=True, size="tree_nodes"),
+    # DEL: the target's first layers and a trained exit head (specops/drafters/del_exit.py); "del@8" fixes the exit layer.
+    DrafterKind("del", weights="exit_heads", size="del_exit_layer"),
 )}
 DRAFT_LM_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "draft_lm")
 ALIGNED_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "aligned_head")
@@ -90,6 +93,9 @@ class DecodingConfig:
     # draft-lm-suffix: the suffix tries' draft is taken (and the draft LM not run) when the tries expect at
     # least this many of its tokens to be accepted (the sum of their estimated probabilities).
     suffix_front_min_score: float = 1.0
+    # del (specops/drafters/del_exit.py): the exit layer to draft from, one of the exit heads' layers;
+    # 0 picks the layer and the draft length (at most draft_tokens) per step from tracked acceptance (DEL).
+    del_exit_layer: int = 0
     # Lossy acceleration, opt-in: "off" keeps the output identical to the target's. One of
     # specops.lossy.modes.LOSSY_MODES: autojudge accepts mismatching draft tokens its classifier deems
     # unimportant (arXiv 2504.20039); arbitrage keeps whole draft steps its router deems as good as the

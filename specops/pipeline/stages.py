@@ -125,6 +125,14 @@ def train_acceptance(params: Params, inputs: Inputs) -> None:
                run(cfg, stage_target(params), inputs["draft"], inputs["traces"]))
 
 
+def train_exit(params: Params, inputs: Inputs) -> None:
+    from specops.train.train_exit import TrainExitConfig
+    from specops.train.train_exit import train_exit as run
+
+    cfg = section(params, TrainExitConfig, "train_exit")
+    write_json(report_path(params, "train_exit"), run(cfg, stage_target(params), inputs["traces"]))
+
+
 def train_aligned(params: Params, inputs: Inputs) -> None:
     from specops.train.train_aligned import TrainAlignedConfig
     from specops.train.train_aligned import train_aligned as run
@@ -271,7 +279,7 @@ def publish(params: Params, inputs: Inputs) -> None:
 
 STAGES: dict[str, Callable[[Params, Inputs], None]] = {
     "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_acceptance": train_acceptance,
-    "train_aligned": train_aligned, "evaluate": evaluate, "train_router": train_router, "lossy_eval": lossy_eval,
+    "train_aligned": train_aligned, "train_exit": train_exit, "evaluate": evaluate, "train_router": train_router, "lossy_eval": lossy_eval,
     "register": register, "promote": promote, "publish": publish,
 }
 
@@ -285,6 +293,7 @@ STAGE_INPUTS: dict[str, dict[str, str]] = {
     "collect": {"prompts": "${prepare.out_dir}"},
     "train_draft": {"traces": "${collect.out_dir}"},
     "train_aligned": {"traces": "${collect.out_dir}"},
+    "train_exit": {"traces": "${collect.out_dir}"},
     "train_acceptance": {"traces": "${collect.out_dir}", "draft": "${train_draft.out_dir}"},
     "evaluate": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}",
                  "aligned": "${train_aligned.out_dir}", "acceptance": "${train_acceptance.out_dir}"},

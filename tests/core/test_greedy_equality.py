@@ -7,6 +7,7 @@ import torch
 
 from specops.core.loop import SpeculativeGenerator
 from specops.core.verify import VERIFIERS
+from specops.drafters.del_exit import DELDrafter, ExitHeads
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter, merge_chain
@@ -23,6 +24,8 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 
 def make_drafters(target, draft_model):
     vocab = target.vocab_size
+    heads = ExitHeads.from_target(target.model, [1], torch.arange(vocab))  # the target's own head after layer 1 of 2
+    heads.config.prior_acceptance = [1.0]  # drafts every step
     return {
         "none": None,
         "prompt-lookup": PromptLookupDrafter(max_ngram=3),
@@ -37,6 +40,8 @@ def make_drafters(target, draft_model):
         "suffix-tree": SuffixDrafter(SuffixCache(8, 64), 6, 1.0, 0.1),
         "draft-lm-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
                                               DraftLMDrafter(draft_model, vocab), 1.0),
+        # DEL on the dynamic runtime: its own early-layer cache, filled from the committed tokens.
+        "del": DELDrafter(target.model, heads),
     }
 
 

@@ -17,6 +17,7 @@ from specops.core.types import SamplingParams
 from specops.core.verify import VERIFIERS
 from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
 from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
+from specops.drafters.del_exit import DELDrafter, ExitHeads
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
@@ -165,6 +166,14 @@ def aligned(target_model) -> AlignedHeadDrafter:
     return AlignedHeadDrafter(head, target_model)
 
 
+def del_drafter(target_model) -> DELDrafter:
+    """DEL after the first of the 2 layers, an untrained exit (the target's own norm and head rows), drafting
+    every step (prior acceptance 1)."""
+    heads = ExitHeads.from_target(target_model, [1], torch.arange(target_model.config.vocab_size))
+    heads.config.prior_acceptance = [1.0]
+    return DELDrafter(target_model, heads)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
     target = target_from_model(tiny_llama(0, dtype=DTYPES[dtype], hidden=64), tiny_tokenizer(), "t")
@@ -174,7 +183,8 @@ def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
                 "self-draft": DraftLMDrafter(target.model, target.vocab_size), "aligned_head": aligned(target.model),
                 "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
                 "draft-lm-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
-                                                      DraftLMDrafter(draft, target.vocab_size), 1.0)}
+                                                      DraftLMDrafter(draft, target.vocab_size), 1.0),
+                "del": del_drafter(target.model)}  # drafts in the target's own cache, past the committed slots
     prompts = [[5, 17, 33, 17, 33, 40], list(range(10, 40)), [7, 7, 7, 7]]
     for name, drafter in drafters.items():
         for verifier in VERIFIERS:

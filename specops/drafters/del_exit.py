@@ -1,0 +1,313 @@
+"""DEL: the target drafts for itself with its first layers and a light exit head (arXiv 2504.05598).
+
+No second model. A draft token runs the target's first e decoder layers (e, the exit layer, is one
+of a few candidates) on the newest token and maps the output of layer e through that layer's exit
+head to logits over a reduced draft vocabulary (FR-Spec, as the draft LM's: the full 49k-row head
+would cost more than the layers). SmolLM2 was not trained for early exit, so the heads are trained
+(specops.train.train_exit): each is an identity-initialized linear adapter, an RMSNorm and the
+target's LM-head rows of the draft vocabulary, distilled from the target's top-k.
+
+Cache. On the static runtime (specops.core.kv.StaticLM) the drafter reads and writes the target's
+own per-layer K/V: the committed prefix's early-layer keys are the ones verification wrote, so a draft
+pass costs e layers over one token and nothing is recomputed. Draft passes write only at slots >= the
+committed length (the last committed token, then the drafts), and the next verification pass writes
+every one of those slots before any row can see them, so the output stays bitwise plain decoding's.
+On the dynamic runtime (or unshared, e.g. in PEARL's thread) it keeps its own early-layer cache,
+filled from the committed tokens.
+
+Adaptive exit (DEL's rule). After each verification the drafter sees the target's features at the
+committed tokens for every candidate layer (the verify pass computes them anyway) and the target's
+next token there; each layer's exit head is scored on them (one candidate per step, in turn, so the
+scoring costs one head per step), which tracks each layer's acceptance rate alpha_e, starting from
+the agreement measured on the validation traces. Each step then drafts from the (e, k) maximizing
+expected tokens per unit of time,
+
+    (1 + alpha_e + ... + alpha_e^k) / (verify + k * (e * layer + head)),
+
+k = 0 (plain decoding) included. A fixed exit layer keeps the same length rule on its one layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
+from specops.core.kv import CachedLM, StaticLM
+from specops.core.llama import LlamaForward, llama_forward, rms_norm
+from specops.core.sampling import Randomness, draw, expand_draft_vocab, logits_to_probs
+from specops.core.types import SamplingParams
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class ExitHeadsConfig:
+    """config.json of an exit-heads folder."""
+
+    hidden_size: int
+    exit_layers: list[int]  # decoder layers run before each head (e: the output of layer e - 1 feeds it)
+    num_target_layers: int
+    rms_norm_eps: float = 1e-5
+    # Each head's top-1 agreement with the target on the validation traces: the tracker's starting point.
+    prior_acceptance: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.exit_layers or sorted(set(self.exit_layers)) != list(self.exit_layers):
+            raise ValueError(f"exit_layers must be ascending and distinct, got {self.exit_layers}.")
+        if not (self.exit_layers[0] > 0 and self.exit_layers[-1] < self.num_target_layers):
+            raise ValueError(f"exit_layers must lie in 1..{self.num_target_layers - 1}, got {self.exit_layers}.")
+        if not self.prior_acceptance:
+            self.prior_acceptance = [0.0] * len(self.exit_layers)
+        if len(self.prior_acceptance) != len(self.exit_layers):
+            raise ValueError("prior_acceptance needs one rate per exit layer.")
+
+
+class ExitHeads(nn.Module):
+    """One head per exit layer: hidden [..., H] -> logits [..., N] over the draft vocabulary `vocab` [N]
+    (column j is target id vocab[j]). h' = h + A h (A zero at init), then RMSNorm, then the LM-head rows."""
+
+    def __init__(self, config: ExitHeadsConfig, vocab: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        h, n, heads = config.hidden_size, len(vocab), len(config.exit_layers)
+        self.register_buffer("vocab", vocab.to(torch.long).clone())
+        self.adapters = nn.ParameterList(nn.Parameter(torch.zeros(h, h)) for _ in range(heads))
+        self.norms = nn.ParameterList(nn.Parameter(torch.ones(h)) for _ in range(heads))
+        self.rows = nn.ParameterList(nn.Parameter(torch.zeros(n, h)) for _ in range(heads))
+
+    def forward(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
+        """hidden [..., H] after exit layer `config.exit_layers[index]` -> draft-vocabulary logits [..., N]."""
+        h = hidden + F.linear(hidden, self.adapters[index])
+        return F.linear(rms_norm(h, self.norms[index], self.config.rms_norm_eps), self.rows[index])
+
+    @classmethod
+    def from_target(cls, model: PreTrainedModel, exit_layers: list[int], vocab: torch.Tensor) -> ExitHeads:
+        """Heads that start as the target's own final norm and LM head (the adapter is zero): what the
+        untrained early exit of the issue scores (4-8% agreement on SmolLM2)."""
+        cfg = model.config
+        config = ExitHeadsConfig(cfg.hidden_size, list(exit_layers), cfg.num_hidden_layers, float(cfg.rms_norm_eps))
+        heads = cls(config, vocab)
+        with torch.no_grad():
+            for norm, rows in zip(heads.norms, heads.rows, strict=True):
+                norm.copy_(model.model.norm.weight.float())
+                rows.copy_(model.lm_head.weight[vocab].float())
+        return heads
+
+    def save(self, out_dir: Path | str) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.detach().float().contiguous() if t.is_floating_point() else t.contiguous()
+                   for name, t in self.state_dict().items()}, str(out / WEIGHTS_FILE))
+        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, folder: Path | str, dtype: torch.dtype = torch.float32) -> ExitHeads:
+        folder = Path(folder)
+        if not (folder / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}: pass train_exit's output folder (models/exit_heads).")
+        config = ExitHeadsConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+        state = load_file(str(folder / WEIGHTS_FILE))
+        heads = cls(config, state["vocab"])
+        heads.load_state_dict(state)
+        return heads.to(dtype).eval()
+
+
+# Costs in the time of one decoder layer run for one drafted token (SmolLM2-135M, bf16, static runtime,
+# width 5). From this repo's documented timings on its 2-core CPU (DESIGN.md, docs/results.md): a bf16
+# static pass of up to 5 rows ~22 ms, of which the 49k-row LM head ~2.3 ms, so a layer ~0.65 ms, an
+# 8192-row exit head ~0.4 ms (0.6 layers) and a verification ~34 layers. (A direct measurement on
+# 2026-11-27 ran on a saturated machine, load average 6 on 2 cores, and was too noisy to use.)
+@dataclass(frozen=True)
+class ExitCosts:
+    layer: float = 1.0
+    head: float = 0.6
+    verify: float = 34.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step commits when each of k drafts is accepted with probability alpha given the ones
+    before it were: 1 (the target's own token) + alpha + ... + alpha^k."""
+    return sum(alpha ** i for i in range(k + 1))
+
+
+def choose_exit(alphas: list[float], layers: list[int], costs: ExitCosts, max_k: int) -> tuple[int, int]:
+    """DEL's choice: (candidate index, draft length) maximizing expected tokens per unit of time. k = 0 is
+    plain decoding (its index is then meaningless); ties go to the shorter draft and the shallower layer."""
+    best, choice = 1.0 / costs.verify, (0, 0)
+    for index, (alpha, layer) in enumerate(zip(alphas, layers, strict=True)):
+        per_token = layer * costs.layer + costs.head
+        for k in range(1, max_k + 1):
+            rate = expected_tokens(alpha, k) / (costs.verify + k * per_token)
+            if rate > best:
+                best, choice = rate, (index, k)
+    return choice
+
+
+class AcceptanceTracker:
+    """Each candidate layer's acceptance rate: agreements seen (exponentially forgotten, so it follows the
+    current request) plus `weight` pseudo-observations at the validation prior."""
+
+    def __init__(self, prior: list[float], weight: float = 16.0, decay: float = 0.97) -> None:
+        self.prior, self.weight, self.decay = list(prior), weight, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self.hits = [0.0] * len(self.prior)
+        self.seen = [0.0] * len(self.prior)
+
+    def update(self, index: int, agree: torch.Tensor) -> None:
+        """agree [n] bool: did layer `index`'s head predict the target's next token at each committed row."""
+        n = agree.numel()
+        self.hits[index] = self.hits[index] * self.decay ** n + float(agree.sum())
+        self.seen[index] = self.seen[index] * self.decay ** n + n
+
+    def rates(self) -> list[float]:
+        return [(h + self.weight * p) / (s + self.weight) for h, s, p in zip(self.hits, self.seen, self.prior, strict=True)]
+
+
+class EarlyCache:
+    """The early layers' K/V the drafter writes and reads: the target's own (a static runtime shared by
+    `share`), or a private one grown on demand and filled from the committed tokens."""
+
+    def __init__(self, forward: LlamaForward, layers: int) -> None:
+        self.forward, self.layers = forward, layers
+        self.shared: StaticLM | None = None
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.cos = self.sin = torch.empty(0)
+        self.cached: list[int] = []  # private cache: tokens whose K/V it holds, slot t for token t
+
+    def share(self, lm: StaticLM) -> None:
+        self.shared = lm
+        self.keys, self.values = lm.keys, lm.values
+        self.cos, self.sin = lm.tables
+
+    def ready(self, context: list[int], room: int) -> int:
+        """Make the K/V of every committed token but the last available; return their count (the slot
+        the last committed token is written at). `room`: slots the draft will write from there."""
+        committed = len(context) - 1
+        if self.shared is not None:
+            if self.shared.length != committed:
+                raise RuntimeError(f"The target's cache holds {self.shared.length} tokens, the context {committed} "
+                                   "committed before its last: DEL drafts between verification passes only.")
+            return committed
+        self._grow(committed + room)
+        common = 0
+        while common < min(len(self.cached), committed) and self.cached[common] == context[common]:
+            common += 1
+        if common < committed:
+            self.forward.early(torch.tensor(context[common:committed]), torch.arange(common, committed),
+                               self.keys, self.values, self.cos, self.sin, self.layers)
+        self.cached = context[:committed]
+        return committed
+
+    def _grow(self, need: int) -> None:
+        length = self.keys[0].shape[1] if self.keys else 0
+        if need <= length:
+            return
+        size = max(256, 2 * length, need)
+        keys, values = self.forward.new_cache(size)
+        for i in range(len(self.keys)):
+            keys[i][:, :length] = self.keys[i]
+            values[i][:, :length] = self.values[i]
+        self.keys, self.values = keys[: self.layers], values[: self.layers]
+        self.cos, self.sin = self.forward.tables(size)
+
+
+class DELDrafter(DrafterBase):
+    """The target's first layers plus an exit head; the exit layer fixed or chosen per step (DEL)."""
+
+    name = "del"
+
+    def __init__(self, target_model: PreTrainedModel, heads: ExitHeads, exit_layer: int = 0,
+                 costs: ExitCosts | None = None, tracker_weight: float = 16.0) -> None:
+        """`exit_layer` 0 adapts the layer per step; otherwise one of the heads' exit layers, fixed."""
+        cfg = heads.config
+        if cfg.num_target_layers != target_model.config.num_hidden_layers or cfg.hidden_size != target_model.config.hidden_size:
+            raise ValueError(f"The exit heads were trained for a {cfg.num_target_layers}-layer target of hidden size "
+                             f"{cfg.hidden_size}; this one has {target_model.config.num_hidden_layers} and "
+                             f"{target_model.config.hidden_size}.")
+        if exit_layer and exit_layer not in cfg.exit_layers:
+            raise ValueError(f"No exit head after layer {exit_layer}; trained exit layers: {cfg.exit_layers}.")
+        self.heads = heads.to(target_model.dtype).eval()
+        self.vocab_size = target_model.config.vocab_size
+        self.candidates = [cfg.exit_layers.index(exit_layer)] if exit_layer else list(range(len(cfg.exit_layers)))
+        self.costs = costs or ExitCosts()
+        self.hidden_layers = [cfg.exit_layers[i] - 1 for i in self.candidates]  # the verify pass captures them
+        self.tracker = AcceptanceTracker([cfg.prior_acceptance[i] for i in self.candidates], tracker_weight)
+        self.forward = llama_forward(target_model)[0]
+        self.cache = EarlyCache(self.forward, max(cfg.exit_layers[i] for i in self.candidates))
+        self._turn = 0  # the candidate scored at the next verification
+        self._target_next: torch.Tensor | None = None
+        self.choices: list[tuple[int, int]] = []  # (exit layer, k) of every step drafted, for reports and tests
+
+    def reset(self) -> None:
+        self.cache = EarlyCache(self.forward, self.cache.layers)
+        self.tracker.reset()
+        self._turn, self._target_next = 0, None
+
+    def share_runtime(self, lm: CachedLM | StaticLM) -> None:
+        """Draft into the target's own static cache. A dynamic cache, or a static one whose passes a batcher
+        runs with other sequences', is not shared: the private early-layer cache stays."""
+        if isinstance(lm, StaticLM) and lm.batcher is None:
+            self.cache.share(lm)
+
+    def choose(self, max_k: int) -> tuple[int, int]:
+        """(candidate, draft length) for this step from the tracked rates."""
+        layers = [self.heads.config.exit_layers[i] for i in self.candidates]
+        index, k = choose_exit(self.tracker.rates(), layers, self.costs, max_k)
+        return self.candidates[index], k
+
+    def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
+                stop: TokenStop | None = None) -> Draft:
+        refuse_stop(self, stop)
+        if self.cache.shared is not None:
+            k = min(k, self.cache.shared.width - 1)
+        head, k = self.choose(k)
+        if k == 0:
+            return Draft(tokens=[])
+        layers = self.heads.config.exit_layers[head]
+        self.choices.append((layers, k))
+        start = self.cache.ready(context, k)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        token = context[-1]
+        for j in range(k):  # slot start + j: the last committed token, then the drafts (verification rewrites them)
+            hidden = self.forward.early(torch.tensor([token]), torch.tensor([start + j]), self.cache.keys,
+                                        self.cache.values, self.cache.cos, self.cache.sin, layers)[0, -1]  # [H]
+            logits = expand_draft_vocab(self.heads(hidden, head), self.heads.vocab, self.vocab_size)  # [V]
+            if sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                probs = logits_to_probs(logits, sampling)
+                rows.append(probs)
+                token = draw(probs, generator, j)
+            tokens.append(token)
+        return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
+
+    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
+        self._target_next = logits.argmax(-1)  # [n]: the target's next token after each row of the pass
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """features [n, C, H] at the committed rows of the last pass: score one candidate's head on them."""
+        if self._target_next is None:  # the prompt's features: no target prediction to score them against
+            return
+        target_next, self._target_next = self._target_next[: features.shape[0]], None
+        slot = self._turn % len(self.candidates)
+        self._turn += 1
+        predicted = self.heads.vocab[self.heads(features[:, slot], self.candidates[slot]).argmax(-1)]  # [n]
+        self.tracker.update(slot, predicted == target_next)
+
+
+def load_del_drafter(folder: Path | str, target_model: PreTrainedModel, exit_layer: int = 0) -> DELDrafter:
+    return DELDrafter(target_model, ExitHeads.load(folder, target_model.dtype), exit_layer)
