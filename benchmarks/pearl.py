@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from specops.core.kv import StaticLM, static_cache_length
+from specops.core.kv import StaticLM
 from specops.core.loop import SpeculativeGenerator
 from specops.core.pearl import PearlGenerator, PearlTimings, intra_op_threads
 from specops.core.target import DEFAULT_TARGET, Target, encode_prompt, load_target
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, static_cache_length
 from specops.data.datasets import bench_prompts
 from specops.drafters.draft_lm import DraftLMDrafter, load_draft
 from specops.eval.benchmark import BenchConfig, run_benchmark_ids

@@ -11,7 +11,7 @@ each sequence's rows and attending per sequence rather than with a padded batch)
 Exactness: a row's logits are bitwise the same alone or in any batch when the products do not depend
 on the pass's row count and each sequence's attention call keeps its shape. bf16 `F.linear` agreed
 over 2 to 96 rows for every SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel,
-hence `llama.MIN_ROWS`); SDPA rows changed with the query count on the real target, hence the fixed
+hence `types.MIN_ROWS`); SDPA rows changed with the query count on the real target, hence the fixed
 width per sequence. fp32 products are not invariant (MKL picks other kernels for other row counts at
 2 threads), so `batch_invariant` refuses fp32 targets and a server then runs one generation at a time.
 tests/core/test_batching.py checks this on small models; benchmarks/load_test.py on the real target.

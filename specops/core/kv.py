@@ -132,20 +132,6 @@ class CachedLM:
             layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, index]], dim=2)
 
 
-# Static cache lengths are rounded up to this. Attention reads every slot, stale or not, so a small step
-# wastes less: a 250-token prompt and 128 new tokens take 384 slots, and compiled bf16 plain decoding
-# 20.6 ms a token there, against 21.3 ms with 512 (2026-11-25).
-STATIC_BUCKET = 64
-
-
-def static_cache_length(prompt_tokens: int, max_new_tokens: int, width: int) -> int:
-    """The one cache length of a generation: every committed token plus a last pass's padding rows,
-    rounded up. Plain and speculative decoding of the same request get the same length, so every
-    pass attends over keys of the same shape."""
-    need = prompt_tokens + max_new_tokens + width
-    return -(-need // STATIC_BUCKET) * STATIC_BUCKET
-
-
 class StaticLM:
     """The target on a static KV cache, every pass after the prefill exactly `width` rows wide.
 
@@ -194,7 +180,7 @@ class StaticLM:
         start = self.length
         if start + rows > self.max_length:
             raise ValueError(f"The static cache holds {self.max_length} tokens; a pass at {start} of {rows} "
-                             "rows does not fit (size it with static_cache_length).")
+                             "rows does not fit (size it with specops.core.types.static_cache_length).")
         ids = torch.tensor(token_ids + [0] * (rows - len(token_ids)))
         if forward is None:
             assert self.batcher is not None

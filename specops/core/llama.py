@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specops.core.types import MIN_ROWS
+
 # Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU; the products inductor picks under
 # max-autotune (its CPP GEMM template or ATen's mm on frozen weights) reach ~24, the machine's bandwidth.
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
@@ -39,12 +41,6 @@ class Segment:
     values: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
-
-
-# Rows of every pass at least: with one row, bf16 F.linear takes another kernel for the 1536-wide down
-# projection (measured on this CPU, torch 2.13: one row differs from the same row among 2 to 96, which all
-# agree), so a lone token would round differently from the same token in a batch or a verification pass.
-MIN_ROWS = 2
 
 
 class UnsupportedModelError(ValueError):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specops.core.drafter import EMPTY, Draft, Drafter
-from specops.core.kv import CachedLM, StaticLM, static_cache_length
+from specops.core.kv import CachedLM, StaticLM
 from specops.core.policies import DraftLengthPolicy, FixedPolicy
 from specops.core.sampling import PositionNoise, logits_to_probs, token_logprobs
 from specops.core.target import Target
@@ -22,6 +22,7 @@ from specops.core.types import (
     SamplingParams,
     TokenLogprob,
     check_runtime,
+    static_cache_length,
 )
 from specops.core.verify import VERIFIERS, verify_tree
 

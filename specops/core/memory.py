@@ -8,7 +8,7 @@ config's attributes) and the decoding settings, after reading what the runtime a
     float32 dynamic runtime's SmallBatchLinear keeps a transposed copy of every linear weight it runs
     on one row (specops.core.small_batch_linear), the tied LM head included;
   * the target's KV cache per request: the static runtime allocates layers x 2 x kv_heads x slots x
-    head_dim at the start of a generation, slots = static_cache_length (rounded to STATIC_BUCKET), plus
+    head_dim at the start of a generation, slots = specops.core.types.static_cache_length (rounded to STATIC_BUCKET), plus
     its rotary tables; the dynamic cache grows to the tokens held;
   * the draft LM's weights (shared by every generation slot) and its dynamic KV cache per request;
   * the buffers of one pass: the lean forward returns logits for every row and keeps every layer's output
@@ -30,6 +30,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from specops.core.types import MIN_ROWS, static_cache_length
+
 # Process overhead: VmRSS of `python -c "import specops.server.app"` after the import (torch 2.13,
 # transformers 5.23, fastapi, uvicorn; no model), median of 3 runs on this repo's 2-core machine
 # (benchmarks/memory_model.py --overhead, 2026-11-27): 488 MiB.
@@ -46,8 +48,6 @@ GGUF_LOAD_TRANSIENT_BYTES = 230 * 2**20
 # validated on the others; it counts in the load peak too (the tokenizer loads first).
 RUNTIME_RESIDUE_BYTES = 94 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-STATIC_BUCKET = 64  # specops.core.kv.STATIC_BUCKET; a test checks they agree (core.kv imports torch)
-MIN_ROWS = 2  # specops.core.llama.MIN_ROWS, checked likewise
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -60,12 +60,6 @@ def parse_bytes(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise ValueError(f"Cannot read '{text}' as a size: write a number and a unit, e.g. 1.5GiB, 800MiB or 2GB.")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def static_cache_length(prompt_tokens: int, max_new_tokens: int, width: int) -> int:
-    """specops.core.kv.static_cache_length, restated torch-free (a test checks they agree)."""
-    need = prompt_tokens + max_new_tokens + width
-    return -(-need // STATIC_BUCKET) * STATIC_BUCKET
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
 from specops.core.kv import CachedLM, StaticLM
 from specops.core.llama import LlamaForward, llama_forward, rms_norm
+from specops.core.policies import expected_tokens
 from specops.core.sampling import Randomness, draw, expand_draft_vocab, logits_to_probs
 from specops.core.types import SamplingParams
 
@@ -132,12 +133,6 @@ class ExitCosts:
     layer: float = 1.0
     head: float = 0.6
     verify: float = 34.0
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a step commits when each of k drafts is accepted with probability alpha given the ones
-    before it were: 1 (the target's own token) + alpha + ... + alpha^k."""
-    return sum(alpha ** i for i in range(k + 1))
 
 
 def choose_exit(alphas: list[float], layers: list[int], costs: ExitCosts, max_k: int) -> tuple[int, int]:

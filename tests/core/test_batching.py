@@ -12,12 +12,12 @@ import torch
 
 from specops.core.batching import PassBatcher
 from specops.core.cost_model import CostModel
-from specops.core.kv import StaticLM, static_cache_length
+from specops.core.kv import StaticLM
 from specops.core.llama import Segment, llama_forward
 from specops.core.loop import SpeculativeGenerator
 from specops.core.policies import batch_draft_length
 from specops.core.target import target_from_model
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, static_cache_length
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from tests.conftest import tiny_llama, tiny_tokenizer

@@ -14,20 +14,17 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specops.core import kv, llama
 from specops.core.cost_model import CostModel
 from specops.core.kv import StaticLM
 from specops.core.llama import llama_forward
 from specops.core.memory import (
-    MIN_ROWS,
-    STATIC_BUCKET,
     DecodingShape,
     ModelShape,
     memory_report,
     parse_bytes,
-    static_cache_length,
 )
 from specops.core.planner import MemoryBudgetError, PlanSpace, goodput, plan_memory
+from specops.core.types import static_cache_length
 from tests.conftest import tiny_llama
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -48,12 +45,6 @@ def test_parse_bytes_reads_units_and_refuses_nonsense():
     for bad in ("", "GiB", "1.5 GiBs", "-1GiB", "one GiB"):
         with pytest.raises(ValueError, match="Cannot read"):
             parse_bytes(bad)
-
-
-def test_constants_restated_torch_free_agree_with_the_runtime():
-    assert STATIC_BUCKET == kv.STATIC_BUCKET and MIN_ROWS == llama.MIN_ROWS
-    for prompt, new, width in itertools.product((1, 63, 64, 300), (1, 64, 200), (1, 5, 9)):
-        assert static_cache_length(prompt, new, width) == kv.static_cache_length(prompt, new, width)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -77,7 +68,7 @@ def test_static_runtime_bytes_are_what_it_allocates(dtype):
     prompt, new, width = 40, 30, 5
     report = memory_report(shape, DecodingShape(dtype=name, static_width=width, draft_tokens=width - 1,
                                                 context=prompt + new, gguf=False))
-    lm = StaticLM(model, width, kv.static_cache_length(prompt, new, width))
+    lm = StaticLM(model, width, static_cache_length(prompt, new, width))
     assert report.request.target_kv == nbytes(lm.keys + lm.values)
     assert report.request.rotary == nbytes(lm.tables)
     forward = llama_forward(model)[0]

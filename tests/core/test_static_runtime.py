@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.core.kv import CachedLM, StaticLM, static_cache_length
+from specops.core.kv import CachedLM, StaticLM
 from specops.core.llama import LlamaForward, UnsupportedModelError, llama_forward
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import target_from_model
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, static_cache_length
 from specops.core.verify import VERIFIERS
 from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
 from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
