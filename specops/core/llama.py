@@ -132,30 +132,10 @@ class LlamaForward(nn.Module):
               cos: torch.Tensor, sin: torch.Tensor, layers: int) -> torch.Tensor:
         """The first `layers` decoder layers only (DEL's self-drafting, specops.drafters.del_exit): tokens
         `ids` [n] at positions `pos` [n] write their keys and values in those layers' caches (`keys[i]`
-        for i < layers) and every one of those layers' outputs comes back [n, layers, H]. The same ops as
-        `forward_many` for one sequence; the rows are not padded to MIN_ROWS, since a draft's rounding
-        need not match anything (verification recomputes every row it keeps)."""
-        n = ids.shape[0]
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        c, s = cos[pos], sin[pos]
-        mask = self.visibility(pos, keys[0].shape[1])
-        x = F.embedding(ids, self.embed)
-        captured = []
-        for i in range(layers):
-            h = rms_norm(x, self.attn_norm[i], self.eps)
-            q, k, v = F.linear(h, self.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
-            q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), c, s)
-            k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), c, s)
-            keys[i].index_copy_(1, pos, k)
-            values[i].index_copy_(1, pos, v.view(n, self.kv_heads, self.head_dim).transpose(0, 1))
-            att = F.scaled_dot_product_attention(q[None], keys[i][None], values[i][None], attn_mask=mask,
-                                                 enable_gqa=True)[0]
-            x = x + F.linear(att.transpose(0, 1).reshape(n, q_size), self.o[i])
-            h = rms_norm(x, self.mlp_norm[i], self.eps)
-            gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, self.down[i])
-            captured.append(x)
-        return torch.stack(captured, 1)
+        for i < layers) and every one of those layers' outputs comes back [n, layers, H]. The rows are not
+        padded to MIN_ROWS, since a draft's rounding need not match anything (verification recomputes
+        every row it keeps), and no head runs."""
+        return torch.stack(self.decoder([Segment(ids, pos, keys, values, cos, sin)], layers, min_rows=1), 1)
 
     def forward_many(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over several sequences, each with its own cache: the products run over all their rows
@@ -164,7 +144,17 @@ class LlamaForward(nn.Module):
         the row count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching)."""
         sizes = [segment.ids.shape[0] for segment in segments]
         real = sum(sizes)
-        n = max(real, MIN_ROWS)  # padding rows (copies of the first) take part in the products only
+        captured = self.decoder(segments, self.num_layers, MIN_ROWS)
+        logits = F.linear(rms_norm(captured[-1], self.norm, self.eps), self.head)
+        layers = torch.stack(captured, 1)
+        return list(zip(logits[:real].split(sizes), layers[:real].split(sizes), strict=True))
+
+    def decoder(self, segments: list[Segment], layers: int, min_rows: int) -> list[torch.Tensor]:
+        """The first `layers` decoder layers over the segments' rows, padded to at least `min_rows` rows
+        (copies of the first, which take part in the products only): each layer's output [n, H]."""
+        sizes = [segment.ids.shape[0] for segment in segments]
+        real = sum(sizes)
+        n = max(real, min_rows)
         # Elementwise work (rotary, views) runs on all rows at once; only the cache writes and attention,
         # which read each sequence's own cache, run per sequence.
         pad = [0] * (n - real)
@@ -176,7 +166,7 @@ class LlamaForward(nn.Module):
         ids = torch.cat([segment.ids for segment in segments])
         x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
         captured = []
-        for i in range(self.num_layers):
+        for i in range(layers):
             h = rms_norm(x, self.attn_norm[i], self.eps)
             q, k, v = F.linear(h, self.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
@@ -198,9 +188,7 @@ class LlamaForward(nn.Module):
             gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[i])
             captured.append(x)
-        logits = F.linear(rms_norm(x, self.norm, self.eps), self.head)
-        layers = torch.stack(captured, 1)
-        return list(zip(logits[:real].split(sizes), layers[:real].split(sizes), strict=True))
+        return captured
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()

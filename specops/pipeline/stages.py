@@ -170,7 +170,7 @@ def trained_models(inputs: Inputs):
     from specops.eval.evaluate import TrainedModels
 
     return TrainedModels(draft_model=inputs["draft"], aligned_head=inputs["aligned"],
-                         acceptance_head=inputs["acceptance"])
+                         acceptance_head=inputs["acceptance"], exit_heads=inputs["exit"])
 
 
 def evaluate(params: Params, inputs: Inputs) -> None:
@@ -237,7 +237,7 @@ def register(params: Params, inputs: Inputs) -> None:
                                               compiled=evaluation.compiled))
     serving = {k: v for k, v in asdict(decoding).items() if k != "drafter"}
     models = trained_models(inputs)
-    weights = method.drafter.weights_from(models.draft_model, models.aligned_head)
+    weights = method.drafter.weights_from(models.draft_model, models.aligned_head, models.exit_heads)
     extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
@@ -296,11 +296,13 @@ STAGE_INPUTS: dict[str, dict[str, str]] = {
     "train_exit": {"traces": "${collect.out_dir}"},
     "train_acceptance": {"traces": "${collect.out_dir}", "draft": "${train_draft.out_dir}"},
     "evaluate": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}",
-                 "aligned": "${train_aligned.out_dir}", "acceptance": "${train_acceptance.out_dir}"},
+                 "aligned": "${train_aligned.out_dir}", "acceptance": "${train_acceptance.out_dir}",
+                 "exit": "${train_exit.out_dir}"},
     "train_router": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}"},
     "lossy_eval": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}", "router": "${train_router.out_dir}"},
     "register": {"draft": "${train_draft.out_dir}", "aligned": "${train_aligned.out_dir}",
-                 "acceptance": "${train_acceptance.out_dir}", "evaluation": "${evaluate.report}"},
+                 "acceptance": "${train_acceptance.out_dir}", "exit": "${train_exit.out_dir}",
+                 "evaluation": "${evaluate.report}"},
     "promote": {"evaluation": "${evaluate.report}"},
     "publish": {},
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from typing import Protocol
 
 import pytest
 import torch
@@ -36,16 +37,20 @@ from specops.core.policies import (
     SpecDecPPPolicy,
 )
 from specops.core.sampling import logits_to_probs, sample
+from specops.core.target import Target, TargetFingerprint
 from specops.core.types import SamplingParams
 from specops.core.verify import VERIFIERS
+from specops.drafters import del_exit
 from specops.drafters.acceptance_head import AcceptanceHead, AcceptanceHeadConfig
 from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
 from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
+from specops.drafters.del_exit import DELDrafter, ExitHeads
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.recycling import RecyclingDrafter
 from specops.drafters.suffix import SuffixCache, SuffixDrafter
 from specops.drafters.suffix_front import SuffixFrontDrafter
+from tests.conftest import tiny_llama
 from tests.core.table_lm import TableLM, table_target
 
 V, K, N = 3, 3, 1200
@@ -60,6 +65,10 @@ MUTANT_ALPHA = 1e-6  # a mutant must be rejected at this level
 # Step times for the goodput policies: verification grows with the tokens verified, so trimming
 # and shorter drafts both pay for a weak draft.
 COST = CostModel(draft_token_s=0.05, verify_s=((1, 1.0), (2, 1.6), (4, 2.0), (8, 3.0)))
+
+
+class Table(Protocol):
+    def log_probs(self, context: tuple[int, ...]) -> torch.Tensor: ...
 
 
 def acceptance_head() -> AcceptanceHead:
@@ -103,9 +112,9 @@ class TrimWhileSampling(DrafterBase):
 
 
 @functools.cache
-def exact_windows(sampling: SamplingParams) -> list[dict[tuple[int, ...], float]]:
+def exact_windows(sampling: SamplingParams, lm: Table = TARGET) -> list[dict[tuple[int, ...], float]]:
     """The exact distribution of each window of the generated tokens: every 8-token continuation with
-    its probability under the (transformed) target, summed into its windows."""
+    its probability under the (transformed) target `lm`, summed into its windows."""
     out: list[dict[tuple[int, ...], float]] = [defaultdict(float) for _ in WINDOWS]
 
     def walk(prefix: tuple[int, ...], prob: float) -> None:
@@ -113,7 +122,7 @@ def exact_windows(sampling: SamplingParams) -> list[dict[tuple[int, ...], float]
             for dist, (a, b) in zip(out, WINDOWS, strict=True):
                 dist[prefix[a:b]] += prob
             return
-        for token, p in enumerate(logits_to_probs(TARGET.log_probs(tuple(PROMPT) + prefix), sampling).tolist()):
+        for token, p in enumerate(logits_to_probs(lm.log_probs(tuple(PROMPT) + prefix), sampling).tolist()):
             if p > 0:
                 walk(prefix + (token,), prob * p)
 
@@ -135,15 +144,16 @@ def chi_square(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], floa
     return float(chisquare(observed, expected).pvalue)
 
 
-def sampled_p_value(generator: SpeculativeGenerator, sampling: SamplingParams = TEMPERATURE) -> float:
-    """The smaller p-value of the two windows' tests over N seeded generations."""
+def sampled_p_value(generator: SpeculativeGenerator, sampling: SamplingParams = TEMPERATURE,
+                    lm: Table = TARGET) -> float:
+    """The smaller p-value of the two windows' tests over N seeded generations of the target `lm`."""
     runs = []
     for seed in range(N):
         out = generator.generate(PROMPT, MAX_NEW, sampling, seed=seed)
         assert len(out.token_ids) == MAX_NEW and not out.stats.lossy
         runs.append(tuple(out.token_ids))
     return min(chi_square([run[a:b] for run in runs], exact)
-               for (a, b), exact in zip(WINDOWS, exact_windows(sampling), strict=True))
+               for (a, b), exact in zip(WINDOWS, exact_windows(sampling, lm), strict=True))
 
 
 def report(name: str, p: float) -> float:
@@ -275,6 +285,58 @@ def test_choosing_the_front_after_drawing_is_caught():
     drafter = FrontChosenAfterDrawing(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), draft_lm(), min_score=1.0)
     generator = SpeculativeGenerator(table_target(TARGET), drafter, "rejection", K)
     assert report("mutant: front chosen after drawing", sampled_p_value(generator)) < MUTANT_ALPHA
+
+
+class LlamaTable:
+    """A tiny 4-layer Llama over the same 3 tokens, in fp64, as a target for DEL (which drafts with the
+    target's own first layers, so a table cannot stand in): log p(. | context) from a full forward, for
+    the exact distribution the generations are tested against."""
+
+    def __init__(self) -> None:
+        self.model = tiny_llama(3, vocab=V, layers=4, hidden=32, dtype=torch.float64)
+        with torch.no_grad():  # conftest sharpens the head 8x for greedy tests: back to ~2x, so samples spread
+            self.model.lm_head.weight.mul_(0.25)
+        self.model.generation_config.eos_token_id = None  # never stops: every run has MAX_NEW tokens
+        self._table: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def log_probs(self, context: tuple[int, ...]) -> torch.Tensor:
+        if context not in self._table:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([context])).logits[0, -1]
+            self._table[context] = logits.log_softmax(-1)
+        return self._table[context]
+
+    def target(self) -> Target:
+        return Target(model=self.model, tokenizer=None, fingerprint=TargetFingerprint("llama-3", "-", "-"))  # type: ignore[arg-type]
+
+    def del_drafter(self) -> DELDrafter:
+        """Exit heads at layers 1 and 2 made of the target's own norm and head (untrained: they disagree
+        with the full model often), adaptive over both."""
+        heads = ExitHeads.from_target(self.model, [1, 2], torch.arange(V))
+        heads.config.prior_acceptance = [0.9, 0.9]  # optimistic: it drafts from the first step on
+        return DELDrafter(self.model, heads)
+
+
+LLAMA = LlamaTable()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier", SAMPLING_VERIFIERS)
+def test_del_samples_the_target_distribution(verifier):
+    drafter = LLAMA.del_drafter()
+    generator = SpeculativeGenerator(LLAMA.target(), drafter, verifier, K)
+    assert report(f"del {verifier}", sampled_p_value(generator, lm=LLAMA)) > ALPHA
+    assert drafter.choices, "DEL never drafted: the test would prove nothing"
+
+
+@pytest.mark.slow
+def test_del_drawing_from_another_distribution_than_its_q_is_caught(monkeypatch):
+    """Mutant: DEL draws its tokens from a sharpened distribution but reports the unsharpened q, as a
+    drafter would that drew at one exit layer and reported another's probabilities."""
+    draw = del_exit.draw
+    monkeypatch.setattr(del_exit, "draw", lambda probs, generator, j: draw((probs ** 3) / (probs ** 3).sum(), generator, j))
+    generator = SpeculativeGenerator(LLAMA.target(), LLAMA.del_drafter(), "rejection", K)
+    assert report("mutant: del draws from other than q", sampled_p_value(generator, lm=LLAMA)) < MUTANT_ALPHA
 
 
 @pytest.mark.slow

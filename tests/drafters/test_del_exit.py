@@ -184,3 +184,23 @@ def test_heads_round_trip_and_the_factory(tmp_path, target):
         build_drafter("del", target, MethodSpec.parse("del@5").decoding(), tmp_path)
     with pytest.raises(ValueError, match="exit heads folder"):
         build_drafter("del", target, MethodSpec.parse("del").decoding(), None)
+
+
+def test_a_del_bundle_serves_bitwise_plain_decoding(tmp_path):
+    """The evaluate stage may choose del as the bundle's drafter: its exit heads travel as the bundle's
+    drafter folder, and the served generator is DEL on the static runtime, bitwise plain decoding."""
+    from specops.server.bundle import write_bundle
+    from specops.server.generator import generator_from_bundle
+
+    target = make_target(torch.bfloat16)
+    make_heads(target).save(tmp_path / "heads")
+    bundle = write_bundle(tmp_path / "bundle", drafter_dir=tmp_path / "heads", drafter_kind="del",
+                          serving={"verifier": "greedy", "draft_tokens": WIDTH - 1, "static_width": WIDTH},
+                          target_source="in-memory", target_dtype="bfloat16", fingerprint=target.fingerprint, metrics={})
+    served = generator_from_bundle(bundle, target=target)
+    assert isinstance(served.drafter, DELDrafter)
+    plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH)
+    generator = served.generator(SamplingParams())
+    for prompt in PROMPTS:
+        assert generator.generate(prompt, 24).token_ids == plain.generate(prompt, 24).token_ids, prompt
+    assert served.drafter.choices, "DEL never drafted: the test would prove nothing"

@@ -32,7 +32,7 @@ TINY_PARAMS = {
     # params.yaml's serving runtime (bf16, static): chains only.
     "evaluate": {"n_prompts": 3, "max_new_tokens": 8,
                  "methods": ["prompt-lookup@2", "draft-lm@2", "draft-lm+specdecpp@3", "draft-lm-suffix+specdecpp@3",
-                             "aligned_head@2"]},
+                             "aligned_head@2", "del"]},
 }
 
 
