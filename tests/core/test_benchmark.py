@@ -39,3 +39,38 @@ def test_static_runtime_bench_judges_each_dtype_by_its_own_plain_decoding():
     assert methods["prompt-lookup@3"]["identical_to_plain"] and methods[f"{PLAIN}[float32]"]["identical_to_plain"]
     with pytest.raises(ValueError, match="chains only"):
         run_benchmark(bf16, PROMPTS, BenchConfig(n=1, drafters=["recycling"], static_width=4))
+
+
+def test_the_median_speedup_ignores_a_burst_of_load_on_one_prompt():
+    """Three prompts where the method is 2x the baseline; on a fourth, another job slowed the baseline's run
+    10x. The aggregate ratio jumps to 6.5x (400 tokens in 4 s against 26 s), and so would a mean of the
+    per-prompt ratios (the mutant); the median per-prompt ratio stays 2x."""
+    from specops.eval.benchmark import median_speedup
+
+    def row(base_s: float, ours_s: float) -> dict:
+        return {BASELINE: {"tokens": 100, "seconds": base_s}, "ours": {"tokens": 100, "seconds": ours_s}}
+
+    rows = [row(2.0, 1.0), row(2.0, 1.0), row(2.0, 1.0), row(20.0, 1.0)]
+    assert median_speedup(rows, "ours", BASELINE) == 2.0
+    assert median_speedup(rows, BASELINE, BASELINE) == 1.0
+    assert median_speedup([row(2.0, 1.0), row(4.0, 1.0)], "ours", BASELINE) == 3.0  # even count: the middle two's mean
+
+
+def test_every_method_reports_its_median_speedup(target):
+    report = run_benchmark(target, PROMPTS, BenchConfig(n=2, max_new_tokens=8, drafters=["prompt-lookup"]))
+    methods = report["methods"]
+    assert methods[BASELINE]["speedup_median"] == 1.0 and methods["prompt-lookup"]["speedup_median"] > 0
+
+
+def test_the_run_order_rotates_by_one_method_per_prompt(target):
+    """No method always runs first, last or after the same neighbour: prompt i runs the list rotated by i,
+    so over as many prompts as methods each method takes every place once."""
+    from specops.eval.benchmark import rotated
+
+    names = ["a", "b", "c"]
+    orders = [rotated(names, i) for i in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] and rotated(names, 4) == orders[1]
+    assert all(sorted(order[place] for order in orders) == names for place in range(3))
+    report = run_benchmark(target, PROMPTS, BenchConfig(n=2, max_new_tokens=4, drafters=["prompt-lookup"]))
+    first, second = (row["order"] for row in report["per_prompt"])
+    assert second == rotated(first, 1) and sorted(first) == sorted(report["methods"])
