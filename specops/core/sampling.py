@@ -7,6 +7,17 @@ import torch
 from specops.core.types import SamplingParams, TokenLogprob
 
 
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """scores [..., V] -> the index of each row's first maximum [...], as `scores.argmax(-1)`. bf16 and fp16
+    are upcast first: exact (every value converts to fp32 unchanged, so the same index wins), and on this
+    CPU a bf16 argmax over SmolLM2's 49k vocabulary took 1.4 ms for a 5-row verification pass and 0.24 ms
+    for one row, against 0.35 and 0.12 ms upcast (the greedy loop takes one per pass, drafters one per
+    token)."""
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        scores = scores.float()
+    return scores.argmax(-1)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] after temperature, top-k and top-p.
 
@@ -14,7 +25,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     reduce to greedy matching without a special case.
     """
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scores = logits.to(dtype) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:

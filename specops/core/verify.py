@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from specops.core.sampling import PositionNoise, Randomness, draw, sample
+from specops.core.sampling import PositionNoise, Randomness, argmax, draw, sample
 
 ChainRule = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, Randomness], tuple[int, int]]
 
@@ -37,7 +37,7 @@ def _sample_positive_part(scaled_p: torch.Tensor, q_row: torch.Tensor, fallback:
 def verify_greedy(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
                   generator: torch.Generator | None = None) -> tuple[int, int]:
     """Accept while the draft equals the target's argmax. p may be logits or probabilities."""
-    target = p.argmax(-1)  # [k+1]
+    target = argmax(p)  # [k+1]
     matches = (draft == target[:-1]).long()
     n = int(matches.cumprod(0).sum())
     return n, int(target[n])
@@ -143,7 +143,7 @@ def verify_tree(tokens: torch.Tensor, parents: list[int], p: torch.Tensor, greed
     current = -1
     while True:
         row = p[current + 1]
-        y = int(row.argmax()) if greedy else draw(row, generator, len(path))  # coupled: the noise at this depth
+        y = int(argmax(row)) if greedy else draw(row, generator, len(path))  # coupled: the noise at this depth
         child = children.get(current, {}).get(y)
         if child is None:
             return path, y

@@ -43,7 +43,7 @@ from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
 from specops.core.kv import CachedLM, StaticLM
 from specops.core.llama import LlamaForward, llama_forward, rms_norm
 from specops.core.policies import expected_tokens
-from specops.core.sampling import Randomness, draw, expand_draft_vocab, logits_to_probs
+from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.types import SamplingParams
 
 CONFIG_FILE = "config.json"
@@ -282,7 +282,7 @@ class DELDrafter(DrafterBase):
                                         self.cache.values, self.cache.cos, self.cache.sin, layers)[0, -1]  # [H]
             logits = expand_draft_vocab(self.heads(hidden, head), self.heads.vocab, self.vocab_size)  # [V]
             if sampling.greedy:
-                token = int(logits.argmax())
+                token = int(argmax(logits))
             else:
                 probs = logits_to_probs(logits, sampling)
                 rows.append(probs)
@@ -291,7 +291,7 @@ class DELDrafter(DrafterBase):
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
-        self._target_next = logits.argmax(-1)  # [n]: the target's next token after each row of the pass
+        self._target_next = argmax(logits)  # [n]: the target's next token after each row of the pass
 
     def observe_features(self, features: torch.Tensor) -> None:
         """features [n, C, H] at the committed rows of the last pass: score one candidate's head on them."""
@@ -300,7 +300,7 @@ class DELDrafter(DrafterBase):
         target_next, self._target_next = self._target_next[: features.shape[0]], None
         slot = self._turn % len(self.candidates)
         self._turn += 1
-        predicted = self.heads.vocab[self.heads(features[:, slot], self.candidates[slot]).argmax(-1)]  # [n]
+        predicted = self.heads.vocab[argmax(self.heads(features[:, slot], self.candidates[slot]))]  # [n]
         self.tracker.update(slot, predicted == target_next)
 
 

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop
 from specops.core.kv import CachedLM
-from specops.core.sampling import Randomness, draw, expand_draft_vocab, logits_to_probs
+from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.small_batch_linear import use_small_batch_linear
 from specops.core.types import SamplingParams
 from specops.drafters.acceptance_head import AcceptanceHead
@@ -154,7 +154,7 @@ class DraftLMDrafter(DrafterBase):
             logits, hidden = self._forward_last(feed)
             self.cached += feed
             if sampling.greedy:
-                token = int(logits.argmax())
+                token = int(argmax(logits))
             else:
                 probs = logits_to_probs(logits, sampling)
                 rows.append(probs)

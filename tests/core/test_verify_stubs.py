@@ -77,3 +77,20 @@ def test_position_noise_is_keyed_by_position_and_forgets_committed_ones():
     assert torch.equal(later.shifted(5).at(5), fifth)  # the same draw however it is reached
     assert sorted(later.shifted(5)._cache) == [5]  # committed positions left the cache
     assert torch.equal(PositionNoise(1, V).at(4), later.rows(2)[1]) and not torch.equal(fifth, noise.at(4))
+
+
+def test_the_fast_argmax_is_torchs_argmax_including_ties():
+    """specops.core.sampling.argmax upcasts bf16/fp16 for speed; it must pick exactly torch's index, the first
+    maximum, on rows full of ties, and must not round wider dtypes (a mutant that cast everything to fp32
+    would tie two fp64 scores 1e-12 apart and pick the first, the smaller)."""
+    from specops.core.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        scores = torch.randint(0, 4, (64, 49152), generator=g).to(dtype)  # every row has thousands of tied maxima
+        scores[3] = float("-inf")
+        scores[3, 17] = 0
+        assert torch.equal(argmax(scores), scores.argmax(-1)), dtype
+        assert int(argmax(scores[3])) == 17
+    close = torch.tensor([1.0, 1.0 + 1e-12], dtype=torch.float64)
+    assert int(argmax(close)) == 1

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specops.core.drafter import EMPTY, Draft, DrafterBase, TokenStop, refuse_stop
-from specops.core.sampling import Randomness, draw, logits_to_probs
+from specops.core.sampling import Randomness, argmax, draw, logits_to_probs
 from specops.core.types import SamplingParams
 from specops.drafters.aligned_head.model import AlignedHead, HeadCache, load_head
 from specops.drafters.dynamic_tree import Children, TreeNode, grow_tree, top_children
@@ -110,7 +110,7 @@ class AlignedHeadDrafter(DrafterBase):
         for depth in range(1, k + 1):
             logits = self._logits(token_branch[0, -1])  # [N]
             if sampling.greedy:
-                token = int(self.head.to_target_ids(logits.argmax()))
+                token = int(self.head.to_target_ids(argmax(logits)))
             else:
                 probs = logits_to_probs(self.head.to_target_logits(logits).float(), sampling)  # [V]
                 rows.append(probs)
