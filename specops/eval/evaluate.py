@@ -128,6 +128,7 @@ class TrainedModels:
     draft_model: Path | None = None
     aligned_head: Path | None = None
     acceptance_head: Path | None = None
+    specialists: Path | None = None
 
     def available(self) -> dict[str, str | None]:
         return {name: str(path) if path is not None and path.exists() else None
