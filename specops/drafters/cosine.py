@@ -34,7 +34,9 @@ from specops.core.types import SamplingParams
 from specops.drafters.draft_lm import DraftLMDrafter, load_draft
 from specops.drafters.dynamic_tree import TreeNode, select_best
 
-SPECIALISTS_FILE = "specialists.json"  # a specialists folder's index: {"specialists": [name, ...], ...}
+# A specialists folder's index, {"specialists": [name, ...], ...}: as a bundle component's config.json, the
+# folder ships as the bundle's drafter/ (one draft LM folder per specialist beside it).
+SPECIALISTS_FILE = "config.json"
 
 
 def decayed_hits(state: tuple[float, float], hits: list[bool], decay: float) -> tuple[float, float]:
@@ -150,12 +152,13 @@ class CosineDrafter(DrafterBase):
 
 
 def specialist_names(folder: Path | str) -> list[str]:
-    """The specialists a folder holds, in order (its specialists.json)."""
+    """The specialists a folder holds, in order (its config.json)."""
     path = Path(folder) / SPECIALISTS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no {SPECIALISTS_FILE}: pass train_specialists' out_dir "
-                                "(e.g. models/specialists).")
-    return list(json.loads(path.read_text())["specialists"])
+    index = json.loads(path.read_text()) if path.is_file() else {}
+    if "specialists" not in index:
+        raise FileNotFoundError(f"{folder} is not a specialists folder (no {SPECIALISTS_FILE} naming them): pass "
+                                "train_specialists' out_dir (e.g. models/specialists).")
+    return list(index["specialists"])
 
 
 def load_cosine(folder: Path | str, target_vocab_size: int, dtype: torch.dtype, settings: CosineSettings,

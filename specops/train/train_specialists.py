@@ -9,7 +9,7 @@ splits map it to a source). The cosine drafters (specops.drafters.cosine) route 
 their proposals.
 
 Output: out_dir/<name>/ is a draft LM folder (train_draft's format) per specialist, and
-out_dir/specialists.json names them in order, with their sources and training reports.
+out_dir/config.json names them in order, with their sources and training reports.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class TrainSpecialistsConfig(TrainerConfig):
     train_embeddings: bool = False
     """Also train the input embeddings and the LM head (off: the general draft's, frozen)."""
     out_dir: str = "models/specialists"
-    """Where out_dir/<name>/ and out_dir/specialists.json are written."""
+    """Where out_dir/<name>/ and out_dir/config.json are written."""
 
     def __post_init__(self) -> None:
         self.check_trainer("train_specialists")
@@ -108,7 +108,7 @@ def train_specialist(cfg: TrainSpecialistsConfig, name: str, target: Target, bas
 
 def train_specialists(cfg: TrainSpecialistsConfig, target: Target, base_dir: Path | str, prompts_dir: Path | str,
                       traces_dir: Path | str, logger: Logger | None = None) -> dict[str, Any]:
-    """One specialist per slice (in cfg.slices' order), then out_dir/specialists.json; returns the reports."""
+    """One specialist per slice (in cfg.slices' order), then out_dir/config.json; returns the reports."""
     traces_dir, base_dir = Path(traces_dir), Path(base_dir)
     check_traces(traces_dir, target)
     sources = prompt_sources(Path(prompts_dir))

@@ -177,3 +177,21 @@ def test_the_factory_builds_it_from_a_specialists_folder(target, tmp_path, kind)
         build_drafter(kind, target, config, None)
     with pytest.raises(FileNotFoundError, match=SPECIALISTS_FILE):
         build_drafter(kind, target, config, tmp_path / "code")
+
+
+def test_a_bundle_carries_the_specialists_and_serves_them(target, tmp_path):
+    """CoSine's drafter/ is a specialists folder: a config.json naming them and one draft LM folder each."""
+    from specops.server.bundle import load_bundle, write_bundle
+    from specops.server.generator import generator_from_bundle
+
+    folder = write_specialists(tmp_path / "specialists", target)
+    root = write_bundle(tmp_path / "bundle", drafter_dir=folder, drafter_kind="cosine",
+                        serving={"verifier": "greedy", "draft_tokens": 3}, target_source="tiny", target_dtype="float32",
+                        fingerprint=target.fingerprint, metrics={}, git_sha="0" * 40)
+    bundle = load_bundle(root, expected_fingerprint=target.fingerprint)
+    assert {"drafter/config.json", "drafter/code/model.safetensors", "drafter/chat/config.json"} <= set(
+        bundle.manifest["files"])
+    generator = generator_from_bundle(bundle, target)
+    assert isinstance(generator.drafter, CosineDrafter) and generator.drafter.names == ["code", "chat"]
+    plain = SpeculativeGenerator(target, None).generate(PROMPT, 10).token_ids
+    assert generator.generator(GREEDY).generate(PROMPT, 10).token_ids == plain
