@@ -57,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             compiled=args.compile, del_exit_layer=args.del_exit_layer)
     if args.stop_threshold is not None:
         config.stop_threshold = args.stop_threshold
-    weights = DRAFTERS[args.drafter].weights_from(args.draft_model, args.aligned_head, args.exit_heads)
+    weights = DRAFTERS[args.drafter].weights_from(args.draft_model, args.aligned_head, args.exit_heads, args.specialists)
     drafter = build_drafter(args.drafter, target, config, weights, args.acceptance_head)
     result = TextGenerator(target, drafter, config).generate_text(
         args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, raw=args.raw)
@@ -81,7 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cfg = BenchConfig(dataset=args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, drafters=args.drafters,
                       draft_tokens=args.draft_tokens, draft_model=args.draft_model,
                       acceptance_head=args.acceptance_head, stop_threshold=args.stop_threshold,
-                      aligned_head=args.aligned_head, exit_heads=args.exit_heads, static_width=args.static_width,
+                      aligned_head=args.aligned_head, exit_heads=args.exit_heads, specialists=args.specialists,
+                      static_width=args.static_width,
                       compiled=args.compile, hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens)
     if args.draft_model and not any(MethodSpec.parse(d).drafter.weights == "draft_lm" for d in cfg.drafters):
         cfg.drafters.append("draft-lm")
@@ -156,6 +157,8 @@ def _add_aligned_args(parser: argparse.ArgumentParser) -> None:
                         "models/aligned_head); needed by aligned_head and aligned_head_tree")
     parser.add_argument("--exit-heads", help="folder of DEL's exit heads (specops stage train_exit, "
                         "models/exit_heads); needed by del")
+    parser.add_argument("--specialists", help="folder of CoSine's specialist draft LMs (specops stage "
+                        "train_specialists, models/specialists); needed by cosine and cosine-tree")
 
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:

@@ -176,12 +176,14 @@ class TraceShards:
         self.fields = fields
         # (file index, first row, end row) of every sequence, from the small seq_offsets tensors.
         self.spans: list[tuple[int, int, int]] = []
+        self.prompt_ids: list[str] = []  # the prepared prompt row each sequence answers (its "id")
         for index, path in enumerate(self.files):
             with safe_open(str(path), framework="pt") as shard:
                 missing = set(fields) - set(shard.keys())
                 if missing:
                     raise KeyError(f"{path} has no {', '.join(sorted(missing))} (collect with hidden_layers to store them).")
                 offsets = shard.get_tensor("seq_offsets").tolist()
+                self.prompt_ids += json.loads(shard.metadata()["prompt_ids"])
             self.spans += [(index, start, end) for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
 
     @property

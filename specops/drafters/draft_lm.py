@@ -31,7 +31,7 @@ from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, 
 from specops.core.small_batch_linear import use_small_batch_linear
 from specops.core.types import SamplingParams
 from specops.drafters.acceptance_head import AcceptanceHead
-from specops.drafters.dynamic_tree import Children, TreeNode, grow_tree, top_children
+from specops.drafters.dynamic_tree import Children, TreeNode, grow_nodes, select_best, top_children
 
 VOCAB_FILE = "draft_vocab.safetensors"
 
@@ -174,7 +174,30 @@ class DraftLMDrafter(DrafterBase):
         return top_children(self.lm_head(hidden).float().log_softmax(-1), self.tree_top_k)
 
     def _tree(self, feed: list[int], max_depth: int) -> Draft:
-        """Feed the new context tokens, then grow the dynamic tree; drafted positions leave the cache."""
+        return select_best(self._grow(feed, max_depth), self.tree_nodes)
+
+    def candidates(self, context: list[int], max_depth: int) -> list[TreeNode]:
+        """Every node of the dynamic tree continuing `context` before the best are chosen (with their
+        cumulative draft log-probabilities): what CoSine fuses (specops.drafters.cosine)."""
+        return self._grow(self._sync(context), max_depth)
+
+    def guesses(self, context: list[int], start: int) -> list[int]:
+        """Teacher forcing: the draft's top-1 after each of context[start:-1], i.e. its guesses at
+        context[start + 1:]. Its cache must hold context[:start]; it then holds context[:-1], so the next
+        `propose` or `candidates` feeds only the last token."""
+        if self.cached[:start] != context[:start]:
+            raise ValueError("guesses: the draft's cache does not hold the context's first `start` tokens.")
+        self.lm.crop(start)
+        self.cached = context[:start]
+        feed = context[start:-1]
+        if not feed:
+            return []
+        hidden = self.lm.forward_final_hidden(feed)  # [n, H]
+        self.cached += feed
+        return self.lm_head(hidden).argmax(-1).tolist()
+
+    def _grow(self, feed: list[int], max_depth: int) -> list[TreeNode]:
+        """Feed the new context tokens, then grow the dynamic tree's nodes; drafted positions leave the cache."""
         root_hidden = self.lm.forward_final_hidden(feed)[-1]
         self.cached += feed
         verified = self.lm.length  # == len(context): a depth-d node sits at position verified + d - 1
@@ -184,7 +207,6 @@ class DraftLMDrafter(DrafterBase):
             return self._children(hidden)
 
         try:
-            return grow_tree(self._children(root_hidden[None])[0], expand, max_depth, self.tree_top_k,
-                             self.tree_nodes, verified)
+            return grow_nodes(self._children(root_hidden[None])[0], expand, max_depth, self.tree_top_k, verified)
         finally:
             self.lm.crop(verified)

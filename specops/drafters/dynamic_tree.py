@@ -50,6 +50,12 @@ def grow_tree(root_children: Children, expand: Expand, max_depth: int, top_k: in
     """A tree of at most `tree_nodes` nodes and `max_depth` levels. `cache_length` is the drafter's
     cache length before drafting; `expand` appends each level's expanded nodes after it, in order,
     and the caller crops them afterwards."""
+    return select_best(grow_nodes(root_children, expand, max_depth, top_k, cache_length), tree_nodes)
+
+
+def grow_nodes(root_children: Children, expand: Expand, max_depth: int, top_k: int,
+               cache_length: int) -> list[TreeNode]:
+    """Every node `grow_tree` chooses from, parents before children (CoSine fuses several drafters' pools)."""
     nodes = [TreeNode(t, -1, 1, s) for t, s in root_children]
     entry: dict[int, int] = {}  # node -> its index in the drafter's cache, once expanded
     length = cache_length
@@ -70,7 +76,7 @@ def grow_tree(root_children: Children, expand: Expand, max_depth: int, top_k: in
         for i, children in zip(chosen, expand(nodes, chosen, visible, depth), strict=True):
             nodes.extend(TreeNode(t, i, depth + 1, nodes[i].score + s) for t, s in children)
         length += len(chosen)
-    return select_best(nodes, tree_nodes)
+    return nodes
 
 
 def select_best(nodes: list[TreeNode], tree_nodes: int) -> Draft:

@@ -20,6 +20,7 @@ from specops.core.target import Target
 from specops.core.types import SamplingParams
 from specops.drafters.acceptance_head import HEAD_COMPONENT, AcceptanceHead
 from specops.drafters.aligned_head.drafter import load_aligned_drafter
+from specops.drafters.cosine import CosineSettings, load_cosine
 from specops.drafters.del_exit import load_del_drafter
 from specops.drafters.draft_lm import DraftLMDrafter, load_draft
 from specops.drafters.kinds import DRAFTERS, DecodingConfig, drafter_kind
@@ -30,7 +31,8 @@ from specops.drafters.suffix_front import SuffixFrontDrafter
 
 WEIGHTS_NEEDED = {"draft_lm": "a draft model folder (--draft-model PATH)",
                   "aligned_head": "an aligned head folder (--aligned-head PATH)",
-                  "exit_heads": "an exit heads folder (--exit-heads PATH)"}
+                  "exit_heads": "an exit heads folder (--exit-heads PATH)",
+                  "specialists": "a specialists folder (--specialists PATH)"}
 
 
 def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: str | Path | None = None,
@@ -62,6 +64,9 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
         return load_aligned_drafter(weights, target.model, nodes, config.tree_top_k)
     if spec.weights == "exit_heads":
         return load_del_drafter(weights, target.model, config.del_exit_layer)
+    if spec.weights == "specialists":
+        settings = CosineSettings(config.cosine_decay, config.cosine_temperature, nodes)
+        return load_cosine(weights, target.vocab_size, target.model.dtype, settings, config.tree_top_k)
     raise AssertionError(f"DRAFTERS['{kind}'] has no constructor here")
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from specops.core.policies import POLICIES
 from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, check_runtime
 
-Weights = Literal["draft_lm", "aligned_head", "exit_heads"]  # the weights folder a kind loads (a bundle's drafter/)
+Weights = Literal["draft_lm", "aligned_head", "exit_heads", "specialists"]  # the weights folder a kind loads (a bundle's drafter/)
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,11 @@ class DrafterKind:
     size: Literal["draft_tokens", "tree_nodes", "recycling_nodes", "del_exit_layer"] = "draft_tokens"  # what "@N" sets
 
     def weights_from(self, draft_lm: str | Path | None, aligned_head: str | Path | None,
-                     exit_heads: str | Path | None = None) -> str | Path | None:
-        """The folder this kind loads, out of a draft-LM, an aligned-head and an exit-heads folder (None: needs none)."""
-        return {"draft_lm": draft_lm, "aligned_head": aligned_head, "exit_heads": exit_heads, None: None}[self.weights]
+                     exit_heads: str | Path | None = None, specialists: str | Path | None = None) -> str | Path | None:
+        """The folder this kind loads, out of a draft-LM, an aligned-head, an exit-heads and a specialists
+        folder (None: needs none)."""
+        return {"draft_lm": draft_lm, "aligned_head": aligned_head, "exit_heads": exit_heads,
+                "specialists": specialists, None: None}[self.weights]
 
 
 DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
@@ -50,6 +52,9 @@ DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("aligned_head_tree", weights="aligned_head", tree=True, size="tree_nodes"),
     # DEL: the target's first layers and a trained exit head (specops/drafters/del_exit.py); "del@8" fixes the exit layer.
     DrafterKind("del", weights="exit_heads", size="del_exit_layer"),
+    # CoSine: specialized draft LMs (train_specialists) behind a router; -tree fuses their trees (specops/drafters/cosine.py)
+    DrafterKind("cosine", weights="specialists"),
+    DrafterKind("cosine-tree", weights="specialists", tree=True, size="tree_nodes"),
 )}
 DRAFT_LM_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "draft_lm")
 ALIGNED_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "aligned_head")
@@ -96,6 +101,12 @@ class DecodingConfig:
     # del (specops/drafters/del_exit.py): the exit layer to draft from, one of the exit heads' layers;
     # 0 picks the layer and the draft length (at most draft_tokens) per step from tracked acceptance (DEL).
     del_exit_layer: int = 0
+    # cosine and cosine-tree (specops/drafters/cosine.py): each specialist's score is its top-1 hit rate on the
+    # committed tokens, every older token weighing cosine_decay times less (a window of ~1 / (1 - decay)
+    # tokens); cosine drafts with the best-scoring one, cosine-tree weighs each one's tree candidates by
+    # softmax(scores / cosine_temperature) (a hit rate better by the temperature weighs e times more).
+    cosine_decay: float = 0.98
+    cosine_temperature: float = 0.1
     # Lossy acceleration, opt-in: "off" keeps the output identical to the target's. One of
     # specops.lossy.modes.LOSSY_MODES: autojudge accepts mismatching draft tokens its classifier deems
     # unimportant (arXiv 2504.20039); arbitrage keeps whole draft steps its router deems as good as the

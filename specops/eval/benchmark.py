@@ -56,6 +56,7 @@ class BenchConfig:
     draft_model: str | None = None  # HF folder of a draft LM: needed by draft-lm
     aligned_head: str | None = None  # aligned head folder (models/aligned_head): needed by aligned_head[_tree]
     exit_heads: str | None = None  # exit heads folder (models/exit_heads): needed by del (del@L fixes exit layer L)
+    specialists: str | None = None  # CoSine's specialists folder (models/specialists): needed by cosine[-tree]
     acceptance_head: str | None = None  # folder of an acceptance head for the draft LM: needed by +specdecpp and +goodput_head
     stop_threshold: float | None = None  # +specdecpp's stop threshold; None keeps DecodingConfig's
     hf_assisted: bool = True  # with a draft model, also run HF assisted generation with it
@@ -105,7 +106,7 @@ def build_methods(target: Target, cfg: BenchConfig,
         if cfg.stop_threshold is not None:
             config.stop_threshold = cfg.stop_threshold
         head = cfg.acceptance_head if config.policy in HEAD_POLICIES else None
-        weights = method.drafter.weights_from(cfg.draft_model, cfg.aligned_head, cfg.exit_heads)
+        weights = method.drafter.weights_from(cfg.draft_model, cfg.aligned_head, cfg.exit_heads, cfg.specialists)
         drafter = build_drafter(method.kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)
         generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width,

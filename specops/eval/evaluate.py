@@ -130,6 +130,7 @@ class TrainedModels:
     aligned_head: Path | None = None
     acceptance_head: Path | None = None
     exit_heads: Path | None = None
+    specialists: Path | None = None
 
     def available(self) -> dict[str, str | None]:
         return {name: str(path) if path is not None and path.exists() else None

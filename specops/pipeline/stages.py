@@ -116,6 +116,16 @@ def train_draft(params: Params, inputs: Inputs) -> None:
     write_json(report_path(params, "train_draft"), {**report, "mlflow_run_id": logger.run_id})
 
 
+def train_specialists(params: Params, inputs: Inputs) -> None:
+    from specops.train.train_specialists import TrainSpecialistsConfig
+    from specops.train.train_specialists import train_specialists as run
+
+    cfg = section(params, TrainSpecialistsConfig, "train_specialists")
+    logger = mlflow_logger(params, "train_specialists")
+    report = run(cfg, stage_target(params), inputs["draft"], inputs["prompts"], inputs["traces"], logger=logger)
+    write_json(report_path(params, "train_specialists"), {**report, "mlflow_run_id": logger.run_id})
+
+
 def train_acceptance(params: Params, inputs: Inputs) -> None:
     from specops.train.train_acceptance import TrainAcceptanceConfig
     from specops.train.train_acceptance import train_acceptance as run
@@ -170,7 +180,8 @@ def trained_models(inputs: Inputs):
     from specops.eval.evaluate import TrainedModels
 
     return TrainedModels(draft_model=inputs["draft"], aligned_head=inputs["aligned"],
-                         acceptance_head=inputs["acceptance"], exit_heads=inputs["exit"])
+                         acceptance_head=inputs["acceptance"], exit_heads=inputs["exit"],
+                         specialists=inputs["specialists"])
 
 
 def evaluate(params: Params, inputs: Inputs) -> None:
@@ -237,7 +248,8 @@ def register(params: Params, inputs: Inputs) -> None:
                                               compiled=evaluation.compiled))
     serving = {k: v for k, v in asdict(decoding).items() if k != "drafter"}
     models = trained_models(inputs)
-    weights = method.drafter.weights_from(models.draft_model, models.aligned_head, models.exit_heads)
+    weights = method.drafter.weights_from(models.draft_model, models.aligned_head, models.exit_heads,
+                                          models.specialists)
     extra = {HEAD_COMPONENT: models.acceptance_head} if decoding.policy in HEAD_POLICIES else {}
     _, fingerprint = load_tokenizer(target_cfg.source)
     bundle = write_bundle(cfg.bundle_dir, drafter_dir=weights, drafter_kind=kind, serving=serving,
@@ -278,7 +290,8 @@ def publish(params: Params, inputs: Inputs) -> None:
 
 
 STAGES: dict[str, Callable[[Params, Inputs], None]] = {
-    "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_acceptance": train_acceptance,
+    "prepare": prepare, "collect": collect, "train_draft": train_draft, "train_specialists": train_specialists,
+    "train_acceptance": train_acceptance,
     "train_aligned": train_aligned, "train_exit": train_exit, "evaluate": evaluate, "train_router": train_router, "lossy_eval": lossy_eval,
     "register": register, "promote": promote, "publish": publish,
 }
@@ -294,14 +307,17 @@ STAGE_INPUTS: dict[str, dict[str, str]] = {
     "train_draft": {"traces": "${collect.out_dir}"},
     "train_aligned": {"traces": "${collect.out_dir}"},
     "train_exit": {"traces": "${collect.out_dir}"},
+    "train_specialists": {"prompts": "${prepare.out_dir}", "traces": "${collect.out_dir}",
+                          "draft": "${train_draft.out_dir}"},
     "train_acceptance": {"traces": "${collect.out_dir}", "draft": "${train_draft.out_dir}"},
     "evaluate": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}",
                  "aligned": "${train_aligned.out_dir}", "acceptance": "${train_acceptance.out_dir}",
-                 "exit": "${train_exit.out_dir}"},
+                 "exit": "${train_exit.out_dir}", "specialists": "${train_specialists.out_dir}"},
     "train_router": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}"},
     "lossy_eval": {"prompts": "${prepare.out_dir}", "draft": "${train_draft.out_dir}", "router": "${train_router.out_dir}"},
     "register": {"draft": "${train_draft.out_dir}", "aligned": "${train_aligned.out_dir}",
                  "acceptance": "${train_acceptance.out_dir}", "exit": "${train_exit.out_dir}",
+                 "specialists": "${train_specialists.out_dir}",
                  "evaluation": "${evaluate.report}"},
     "promote": {"evaluation": "${evaluate.report}"},
     "publish": {},

@@ -6,7 +6,8 @@ bundle/
                   target {source, dtype, fingerprint {name, weights_sha256, vocab_sha256}},
                   files {relative path: {sha256, size}} for every other file, metrics (eval snapshot)
   serving.yaml    default strategy: {drafter: kind, verifier: ..., draft_tokens: ..., ...}
-  drafter/        config.json + *.safetensors (+ tokenizer files); absent for weightless drafters
+  drafter/        config.json + *.safetensors (+ tokenizer files); absent for weightless drafters. CoSine's is
+                  a config.json naming its specialists and one such folder per specialist
   <component>/    optional (acceptance_head/, router/, ...): config.json + *.safetensors
 ```
 Weights are safetensors only and nothing is unpickled: pickle-capable files are refused when
@@ -101,7 +102,7 @@ def _check_component(name: str, src: Path) -> None:
         raise BundleError(f"Component '{name}': {src} is not a directory.")
     if not (src / "config.json").is_file():
         raise BundleError(f"Component '{name}': {src} has no config.json.")
-    if not any(src.glob("*.safetensors")):
+    if not any(src.rglob("*.safetensors")):  # in subfolders too: CoSine's specialists are one model folder each
         raise BundleError(f"Component '{name}': {src} has no *.safetensors weights.")
     for path in sorted(p for p in src.rglob("*") if p.is_file()):
         refusal = _pickle_refusal(path.relative_to(src).as_posix())

@@ -7,6 +7,7 @@ import torch
 
 from specops.core.loop import SpeculativeGenerator
 from specops.core.verify import VERIFIERS
+from specops.drafters.cosine import CosineDrafter, CosineSettings
 from specops.drafters.del_exit import DELDrafter, ExitHeads
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
@@ -42,7 +43,15 @@ def make_drafters(target, draft_model):
                                               DraftLMDrafter(draft_model, vocab), 1.0),
         # DEL on the dynamic runtime: its own early-layer cache, filled from the committed tokens.
         "del": DELDrafter(target.model, heads),
+        # CoSine: a weak and a perfect specialist, routed (chains) and fused (trees).
+        "cosine": CosineDrafter(cosine_specialists(target, draft_model), ["weak", "self"], CosineSettings(0.9, 0.1, 0)),
+        "cosine-tree": CosineDrafter(cosine_specialists(target, draft_model), ["weak", "self"],
+                                     CosineSettings(0.9, 0.1, 8)),
     }
+
+
+def cosine_specialists(target, draft_model) -> list[DraftLMDrafter]:
+    return [DraftLMDrafter(draft_model, target.vocab_size), DraftLMDrafter(target.model, target.vocab_size)]
 
 
 @pytest.mark.parametrize("verifier", list(VERIFIERS))

@@ -44,6 +44,7 @@ from specops.drafters import del_exit
 from specops.drafters.acceptance_head import AcceptanceHead, AcceptanceHeadConfig
 from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
 from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
+from specops.drafters.cosine import CosineDrafter, CosineSettings
 from specops.drafters.del_exit import DELDrafter, ExitHeads
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
@@ -59,6 +60,7 @@ MAX_NEW = 8
 WINDOWS = ((0, 3), (5, 8))  # generated positions compared with the exact distribution
 TARGET = TableLM(V, salt=0, sharpness=1.5)
 DRAFT = TableLM(V, salt=1, sharpness=2.5)  # sharper and different: many rejections, large residuals
+DRAFT_2 = TableLM(V, salt=2, sharpness=2.0)  # CoSine's second specialist
 TEMPERATURE = SamplingParams(temperature=1.0)
 ALPHA = 1e-3  # a correct combination must not be rejected at this level (seeds are fixed: no flakes)
 MUTANT_ALPHA = 1e-6  # a mutant must be rejected at this level
@@ -170,12 +172,19 @@ def suffix_front(head: bool = False) -> SuffixFrontDrafter:
     return SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), draft_lm(head=head), min_score=1.0)
 
 
+def cosine(tree_nodes: int = 0, cls: type[CosineDrafter] = CosineDrafter) -> CosineDrafter:
+    """Two specialists; a short decay so the route changes within a generation."""
+    specialists = [DraftLMDrafter(DRAFT, V, tree_top_k=2), DraftLMDrafter(DRAFT_2, V, tree_top_k=2)]
+    return cls(specialists, ["a", "b"], CosineSettings(0.5, 0.1, tree_nodes))
+
+
 CHAIN_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "prompt-lookup": lambda: PromptLookupDrafter(max_ngram=2),
     "draft-lm": draft_lm,
     "aligned_head": aligned_drafter,
     "suffix": lambda: SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),  # drafts from earlier samples: its cache outlives a generation
     "draft-lm-suffix": suffix_front,
+    "cosine": cosine,
 }
 TREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "recycling": lambda: RecyclingDrafter(V, num_nodes=6, top_k=3),
@@ -183,6 +192,7 @@ TREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "draft-lm-tree": lambda: draft_lm(tree_nodes=5),
     "aligned_head_tree": lambda: aligned_drafter(tree_nodes=5),
     "suffix-tree": lambda: SuffixDrafter(SuffixCache(8, 64), 5, 1.0, 0.1),
+    "cosine-tree": lambda: cosine(tree_nodes=5),
 }
 POLICIES = {
     "fixed": lambda: FixedPolicy(K),
@@ -337,6 +347,24 @@ def test_del_drawing_from_another_distribution_than_its_q_is_caught(monkeypatch)
     monkeypatch.setattr(del_exit, "draw", lambda probs, generator, j: draw((probs ** 3) / (probs ** 3).sum(), generator, j))
     generator = SpeculativeGenerator(LLAMA.target(), LLAMA.del_drafter(), "rejection", K)
     assert report("mutant: del draws from other than q", sampled_p_value(generator, lm=LLAMA)) < MUTANT_ALPHA
+
+
+class RouterPeeksAtTarget(CosineDrafter):
+    """Mutant: every specialist draws its chain and the router keeps the one whose first token the target
+    likes best: which draft is verified then depends on the drawn tokens and on the target's p."""
+
+    def propose(self, context, k, sampling, generator, stop=None):
+        self._catch_up(context)
+        drafts = [specialist.propose(context, k, sampling, generator) for specialist in self.specialists]
+        p = TARGET.log_probs(tuple(context))
+        return max(drafts, key=lambda draft: float(p[draft.tokens[0]]))
+
+
+@pytest.mark.slow
+def test_a_router_that_peeks_at_the_target_is_caught():
+    """cosine routes from the committed context alone; routing on the target's next token must fail the same test."""
+    generator = SpeculativeGenerator(table_target(TARGET), cosine(cls=RouterPeeksAtTarget), "rejection", K)
+    assert report("mutant: router peeks at the target", sampled_p_value(generator)) < MUTANT_ALPHA
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from specops.core.types import SamplingParams, static_cache_length
 from specops.core.verify import VERIFIERS
 from specops.drafters.aligned_head.drafter import AlignedHeadDrafter
 from specops.drafters.aligned_head.model import AlignedHead, AlignedHeadConfig
+from specops.drafters.cosine import CosineDrafter, CosineSettings
 from specops.drafters.del_exit import DELDrafter, ExitHeads
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
@@ -184,7 +185,10 @@ def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
                 "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
                 "draft-lm-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
                                                       DraftLMDrafter(draft, target.vocab_size), 1.0),
-                "del": del_drafter(target.model)}  # drafts in the target's own cache, past the committed slots
+                "del": del_drafter(target.model),  # drafts in the target's own cache, past the committed slots
+                "cosine": CosineDrafter([DraftLMDrafter(draft, target.vocab_size),
+                                         DraftLMDrafter(target.model, target.vocab_size)], ["weak", "self"],
+                                        CosineSettings(0.9, 0.1, 0))}
     prompts = [[5, 17, 33, 17, 33, 40], list(range(10, 40)), [7, 7, 7, 7]]
     for name, drafter in drafters.items():
         for verifier in VERIFIERS:
