@@ -39,3 +39,24 @@ def test_static_runtime_bench_judges_each_dtype_by_its_own_plain_decoding():
     assert methods["prompt-lookup@3"]["identical_to_plain"] and methods[f"{PLAIN}[float32]"]["identical_to_plain"]
     with pytest.raises(ValueError, match="chains only"):
         run_benchmark(bf16, PROMPTS, BenchConfig(n=1, drafters=["recycling"], static_width=4))
+
+
+def test_a_long_prompt_bench_shares_the_prefill_and_may_skip_hf_greedy(draft_dir):
+    """benchmarks/long_context.py's settings: the first generator (plain decoding) prefills each prompt and
+    the others restore it, so methods compare by decoding speed; HF greedy is left out."""
+    from specops.core.target import target_from_model
+    from tests.conftest import tiny_llama, tiny_tokenizer
+
+    bf16 = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    cfg = BenchConfig(n=2, max_new_tokens=12, drafters=["prompt-lookup@3", "draft-lm@3:window=12"],
+                      draft_model=str(draft_dir), hf_assisted=False, hf_prompt_lookup_tokens=0, static_width=4,
+                      hf_greedy=False, share_prefill=True)
+    report = run_benchmark(bf16, PROMPTS, cfg)
+    methods = report["methods"]
+    assert set(methods) == {PLAIN, "prompt-lookup@3", "draft-lm@3:window=12"}
+    assert methods[PLAIN]["decode_speedup_vs_plain"] == 1.0
+    for name, row in methods.items():
+        assert row["identical_to_plain"] and row["identical_to_ar"] is None and row["speedup_vs_ar"] is None, name
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_s"] >= 0
+    for row in report["per_prompt"]:
+        assert row["draft-lm@3:window=12"]["draft_kv_bytes"] > 0 == row["prompt-lookup@3"]["draft_kv_bytes"]
