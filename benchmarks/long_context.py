@@ -51,6 +51,9 @@ def length_summary(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
                      "decode_speedup_vs_plain": row["decode_speedup_vs_plain"],
                      "tokens_per_step": row["mean_accepted_length"],
                      "accepted_per_step": round(sum(r[name].get("accepted", 0) for r in rows) / steps, 3) if steps else None,
+                     # a target pass's cost (plain decoding's step, a method's verification) and drafting's
+                     "verify_ms_per_step": round(1e3 * row["verify_s"] / steps, 2) if steps else None,
+                     "draft_ms_per_step": round(1e3 * row["draft_s"] / steps, 2) if steps else None,
                      "draft_kv_bytes": max((r[name].get("draft_kv_bytes", 0) for r in rows), default=0),
                      "prefill_s": row["prefill_s"], "identical_to_plain": row["identical_to_plain"]}
     return out
@@ -116,8 +119,12 @@ def main() -> None:
         print(f"length {length}: prompts of {[len(p) for p in prompts]} tokens, target prefill "
               f"{lengths[length]['methods'][PLAIN]['prefill_s']:.1f} s in all ({time.perf_counter() - started:.0f} s so far)")
         for name, row in lengths[length]["methods"].items():
+            if row["decode_tokens_per_s"] is None:  # HF generate: end to end, prefill included
+                print(f"  {name:44s} {row['tokens_per_s']:7.2f} tok/s end to end  identical {row['identical_to_plain']}")
+                continue
             print(f"  {name:44s} {row['decode_tokens_per_s']:7.2f} tok/s  {row['decode_speedup_vs_plain']:5.2f}x plain  "
-                  f"{row['tokens_per_step']:.2f} tok/step  draft KV {row['draft_kv_bytes'] / 2**20:6.2f} MiB  "
+                  f"{row['tokens_per_step']:.2f} tok/step  pass {row['verify_ms_per_step']:6.1f} ms  draft "
+                  f"{row['draft_ms_per_step']:5.1f} ms/step  draft KV {row['draft_kv_bytes'] / 2**20:6.2f} MiB  "
                   f"identical {row['identical_to_plain']}")
     kept = retention(lengths)
     windowed = [m for m in args.methods if MethodSpec.parse(m).window]
@@ -130,7 +137,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     series = {name: [(sum(e["prompt_tokens"]) / len(e["prompt_tokens"]), e["methods"][name]["decode_speedup_vs_plain"])
-                     for e in lengths.values()] for name in lengths[0]["methods"] if name != PLAIN}
+                     for e in lengths.values()]
+              for name, row in lengths[0]["methods"].items() if name != PLAIN and row["decode_speedup_vs_plain"]}
     speedup_vs_length(series, Path(args.plot), "decode speedup vs our plain decoding")
     for row in bars:
         print(f"bar, {row['method']}: speedup kept at 4k {row['speedup_kept_at_4k']} (>= {BAR_RETENTION}: "
