@@ -112,7 +112,7 @@ def main() -> None:
                           max_prompt_tokens=target.max_context - args.max_new_tokens, drafters=args.methods,
                           draft_model=args.draft_model, acceptance_head=args.acceptance_head, hf_assisted=False,
                           hf_prompt_lookup_tokens=0, hf_greedy=length <= args.hf_max_length,
-                          static_width=args.static_width, compiled=args.compile, share_prefill=True)
+                          static_width=args.static_width, compiled=args.compile, share_prefill=True, warmup_tokens=0)
         report = run_benchmark_ids(target, prompts, cfg)
         lengths[length] = {"prompt_tokens": [len(p) for p in prompts], "methods": length_summary(report),
                            "hf_greedy": report["methods"].get(BASELINE), "per_prompt": report["per_prompt"]}

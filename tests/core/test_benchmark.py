@@ -50,7 +50,7 @@ def test_a_long_prompt_bench_shares_the_prefill_and_may_skip_hf_greedy(draft_dir
     bf16 = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
     cfg = BenchConfig(n=2, max_new_tokens=12, drafters=["prompt-lookup@3", "draft-lm@3:window=12"],
                       draft_model=str(draft_dir), hf_assisted=False, hf_prompt_lookup_tokens=0, static_width=4,
-                      hf_greedy=False, share_prefill=True)
+                      hf_greedy=False, share_prefill=True, warmup_tokens=0)
     report = run_benchmark(bf16, PROMPTS, cfg)
     methods = report["methods"]
     assert set(methods) == {PLAIN, "prompt-lookup@3", "draft-lm@3:window=12"}
