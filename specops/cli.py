@@ -95,8 +95,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"{'method':<{width}}  tok/s   speedup   median  accepted/step  =HF greedy  =our plain")
     for name, row in report["methods"].items():
         mal = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else "-"
-        print(f"{name:<{width}}  {row['tokens_per_s']:6.1f}  {row['speedup_vs_ar']:6.3f}x  {row['speedup_median']:6.3f}x  "
-              f"{mal:>13}  "
+        speedups = "  ".join(f"{row[key]:6.3f}x" if row[key] is not None else f"{'-':>7}"
+                             for key in ("speedup_vs_ar", "speedup_median"))
+        print(f"{name:<{width}}  {row['tokens_per_s']:6.1f}  {speedups}  {mal:>13}  "
               f"{row['identical_to_ar']!s:>10}  {row['identical_to_plain']!s:>9}")
     bound = report["bound"]
     print(f"bound: {bound['weight_bytes'] / 1e6:.0f} MB of weights at {bound['bandwidth_gb_s']} GB/s = "

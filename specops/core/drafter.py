@@ -68,6 +68,9 @@ class Drafter(Protocol):
     # How many past responses it learns from when serving starts (Suffix Decoding: the feedback log's
     # newest), given to `remember`; 0: none.
     remembers: int
+    # The most bytes of keys and values its own KV cache held since `reset` (0: it keeps none), measured
+    # from the tensors: a full draft LM's grows with the context, a windowed one's stops at the window.
+    peak_kv_bytes: int
 
     def reset(self) -> None:
         """Forget per-sequence state before a new request (learned statistics may persist)."""
@@ -104,6 +107,7 @@ class DrafterBase:
     predicts_acceptance = False
     hidden_layers: list[int] | None = None
     remembers = 0
+    peak_kv_bytes = 0
 
     def reset(self) -> None:
         pass

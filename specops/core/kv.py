@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from specops.core.llama import Segment
+from specops.core.llama import ROPE_TYPES, Segment, rotate
 
 if TYPE_CHECKING:  # batching imports the cost model, which imports this module
     from specops.core.batching import PassBatcher
@@ -46,6 +46,30 @@ def tree_depths(parents: list[int]) -> list[int]:
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return depths
+
+
+def shift_positions(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [..., T, D] rotated by rotary embeddings at positions p -> the same keys at positions p + shift.
+
+    RoPE rotates each pair of dimensions by position x frequency, and rotations compose, so a cached key
+    moves to another position without its token being run again (computed in float32, then cast back).
+    """
+    angle = shift * inv_freq.float()
+    emb = torch.cat((angle, angle))
+    return rotate(keys.float(), emb.cos(), emb.sin()).to(keys.dtype)
+
+
+def rotary_frequencies(model: PreTrainedModel) -> torch.Tensor | None:
+    """The rotary frequencies [D/2] a model's cached keys were rotated with; None for a model whose keys
+    carry no positions (the tests' table LMs). Rope types whose rotation depends on the sequence length or
+    rescales it (dynamic, yarn, longrope) are refused: their keys cannot be moved by a rotation alone."""
+    rotary = getattr(model.base_model, "rotary_emb", None)
+    if rotary is None:
+        return None
+    if rotary.rope_type not in ROPE_TYPES or float(rotary.attention_scaling) != 1.0:
+        raise ValueError(f"Rope type '{rotary.rope_type}' cannot move cached keys to new positions; a draft "
+                         f"window needs one of {', '.join(ROPE_TYPES)}.")
+    return rotary.inv_freq.detach()
 
 
 class CachedLM:
@@ -117,6 +141,23 @@ class CachedLM:
         surplus = self.length - length
         if surplus > 0:
             self.cache.crop(-surplus)
+
+    def evict(self, start: int, count: int, inv_freq: torch.Tensor | None) -> None:
+        """Drop the `count` entries after the first `start` and move the later ones `count` positions
+        earlier (keys re-rotated with `inv_freq`; None: keys without positions), so the cache's slots stay
+        its positions 0..length-1 and the next token fed takes position `length` (a draft window,
+        specops.drafters.draft_lm)."""
+        for layer in self.cache.layers:
+            later = layer.keys[:, :, start + count:]
+            if inv_freq is not None:
+                later = shift_positions(later, -count, inv_freq)
+            layer.keys = torch.cat([layer.keys[:, :, :start], later], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, start + count:]], dim=2)
+
+    def kv_bytes(self) -> int:
+        """Bytes of memory its keys and values hold (their storage: a cropped view still holds the whole)."""
+        return sum(t.untyped_storage().nbytes() for layer in self.cache.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
 
     def keep(self, start: int, offsets: list[int]) -> None:
         """Keep cache entries start+offsets (ascending) and drop the rest after `start`.
@@ -214,6 +255,18 @@ class StaticLM:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        """Copies of the committed slots' keys and values (and the features of the last pass)."""
+        return ([k[:, : self.length].clone() for k in self.keys], [v[:, : self.length].clone() for v in self.values],
+                self.features)
+
+    def restore(self, state: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]) -> None:
+        """Write a snapshot back into this (fresh) cache: the same slots, the same bits."""
+        keys, values, self.features = state
+        for cache, saved in zip((*self.keys, *self.values), (*keys, *values), strict=True):
+            cache[:, : saved.shape[1]] = saved
+        self.length = keys[0].shape[1]
 
     def keep(self, start: int, offsets: list[int]) -> None:
         if offsets != list(range(len(offsets))):

@@ -27,6 +27,9 @@ from specops.core.types import MIN_ROWS
 
 # Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU; the products inductor picks under
 # max-autotune (its CPP GEMM template or ATen's mm on frozen weights) reach ~24, the machine's bandwidth.
+# Rope types whose rotation is a fixed function of the position (not of the sequence length), so the rotary
+# tables are built once per cache and cached keys can be moved to other positions (specops.core.kv).
+ROPE_TYPES = ("default", "linear", "llama3")
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -80,7 +83,7 @@ class LlamaForward(nn.Module):
             raise UnsupportedModelError("The static runtime's Llama forward has no attention or MLP biases and "
                                         "uses SiLU; use static_width 0 for this model.")
         rotary = model.model.rotary_emb
-        if rotary.rope_type not in ("default", "linear", "llama3"):
+        if rotary.rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"Rope type '{rotary.rope_type}' changes with the sequence length; the "
                                         "static runtime supports default, linear and llama3. Use static_width 0.")
         attn = model.model.layers[0].self_attn

@@ -124,6 +124,7 @@ class DecodingShape:
     prefill_chunk: int = 512  # DEFAULT_PREFILL_CHUNK
     sampled: bool = False  # sampled verification (float32 probabilities) rather than greedy only
     gguf: bool = True  # the target is dequantized from a GGUF at load
+    draft_window: int = 0  # > 0: the draft LM's cache holds at most this many tokens (DecodingConfig.draft_window)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -266,7 +267,7 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
     request = RequestMemory(
         target_kv=target.kv_bytes(slots, b),
         rotary=2 * slots * target.head_dim * b if static else 0,
-        draft_kv=draft.kv_bytes(tokens, b) if draft is not None else 0,
+        draft_kv=draft.kv_bytes(min(tokens, decoding.draft_window or tokens), b) if draft is not None else 0,
         prefill=_pass_bytes(target, chunk, slots, b, all_logits=static),
         verification=verification,
         tree=tree)

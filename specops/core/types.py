@@ -83,6 +83,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    draft_kv_bytes: int = 0  # the most bytes the drafter's own KV cache held (Drafter.peak_kv_bytes)
     # Lossy modes (specops/lossy/autojudge.py, specops/lossy/arbitrage.py) mark their output so nobody mistakes it
     # for the target's own: lossy_accepted counts mismatching tokens the judge accepted (autojudge)
     # or draft steps kept without the target (arbitrage).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,34 @@ def read_user_jsonl(path: Path) -> Iterator[Candidate]:
                 yield "invalid JSON"
                 continue
             yield user_candidate(data)
+
+
+# Rows a long-context prompt's history is drawn from: enough HumanEval tasks (all 164) or ShareGPT
+# conversations to fill 7k tokens several times over without repeating one.
+LONG_CONTEXT_POOL = 400
+
+
+def long_context_prompts(dataset: str, length: int, n: int, count_tokens: Callable[[Messages], int]) -> list[Messages]:
+    """n conversations of at most `length` tokens (as `count_tokens` counts a chat prompt) that end in a
+    question to answer: earlier questions with their answers (HumanEval tasks and their canonical
+    solutions, or ShareGPT first turns and their replies), then a last question whose answer is not in
+    them. Prompt i asks row i and fills its history from the rows after it, in order, skipping those that
+    would overflow, so every length of a run shares its last questions. length 0: the question alone."""
+    if dataset not in ("humaneval", "sharegpt"):
+        raise ValueError(f"Long-context prompts are built from 'humaneval' or 'sharegpt', not '{dataset}'.")
+    source = read_humaneval() if dataset == "humaneval" else reversed(list(read_sharegpt()))
+    rows = [row for row in source if isinstance(row, dict) and "reply" in row][:LONG_CONTEXT_POOL]
+    if len(rows) <= n:
+        raise ValueError(f"{dataset} has {len(rows)} rows with an answer; {n} prompts need more.")
+    prompts = []
+    for i in range(n):
+        question, history = rows[i]["messages"], []
+        for row in (rows[j % len(rows)] for j in range(i + 1, i + len(rows)) if length):
+            turn = [*row["messages"], {"role": "assistant", "content": row["reply"]}]
+            if count_tokens(history + turn + question) <= length:
+                history += turn
+        prompts.append(history + question)
+    return prompts
 
 
 def bench_prompts(dataset: str, n: int) -> list[Messages]:

@@ -251,6 +251,13 @@ class DELDrafter(DrafterBase):
         self.tracker.reset()
         self._turn, self._target_next = 0, None
 
+    @property
+    def peak_kv_bytes(self) -> int:  # type: ignore[override]
+        """Its private early-layer cache, which only grows (none while it drafts in the target's cache)."""
+        if self.cache.shared is not None:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in (*self.cache.keys, *self.cache.values))
+
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
         """Draft into the target's own static cache. A dynamic cache, or a static one whose passes a batcher
         runs with other sequences', is not shared: the private early-layer cache stays."""

@@ -13,6 +13,16 @@ only the N most frequent tokens of its training data: its LM head runs on those 
 full 49k-row head of a SmolLM2-sized draft is most of a draft step. The other tokens get logit -inf, so
 q is still a distribution over the target's vocabulary and every verifier stays lossless. The model
 folder keeps the full head, so Hugging Face code (assisted generation) loads it unchanged.
+
+With a window (LongSpec, arXiv 2502.17421; StreamingLLM's attention sinks, arXiv 2309.17453) drafting
+stays cheap and in distribution as the context grows: the draft's cache holds at most `window` tokens,
+the context's first `sinks` tokens and its most recent ones, at positions 0..window-1. The draft was
+trained on sequences of a few hundred tokens (train_draft's max_seq_len), so a window no longer than
+that keeps it at positions it has seen, where a full cache would run it at thousands. A long prompt is
+prefilled into the draft as its sinks and its last tokens only; when the window fills, its oldest
+tokens after the sinks are dropped and the rest move to earlier positions (their keys re-rotated,
+specops.core.kv.shift_positions), a quarter window at a time so eviction is rare. The draft's memory
+and its cost per token are then bounded by the window, whatever the prompt.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop
-from specops.core.kv import CachedLM
+from specops.core.kv import CachedLM, rotary_frequencies
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.small_batch_linear import use_small_batch_linear
 from specops.core.types import SamplingParams
@@ -34,6 +44,9 @@ from specops.drafters.acceptance_head import AcceptanceHead
 from specops.drafters.dynamic_tree import Children, TreeNode, grow_nodes, select_best, top_children
 
 VOCAB_FILE = "draft_vocab.safetensors"
+# A full draft window drops this fraction of its non-sink tokens beyond what the step needs: eviction (a
+# re-rotation and copy of the window's keys) then happens once every window/4 tokens or so, not every step.
+EVICT_FRACTION = 4
 
 
 class VocabularyMismatchError(ValueError):
@@ -88,9 +101,11 @@ def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[
 
 class DraftLMDrafter(DrafterBase):
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, head: AcceptanceHead | None = None,
-                 vocab: torch.Tensor | None = None, tree_nodes: int = 0, tree_top_k: int = 4) -> None:
+                 vocab: torch.Tensor | None = None, tree_nodes: int = 0, tree_top_k: int = 4,
+                 window: int = 0, sinks: int = 0) -> None:
         """tree_nodes = 0 drafts chains; > 0 drafts a dynamic tree of at most that many nodes (EAGLE-2's,
-        specops.drafters.dynamic_tree), whose depth is propose's k."""
+        specops.drafters.dynamic_tree), whose depth is propose's k. window = 0 keeps every context token
+        in the draft's cache; > 0 keeps at most that many, the first `sinks` and the most recent."""
         draft_vocab = model.get_output_embeddings().weight.shape[0]
         if draft_vocab != target_vocab_size:
             raise VocabularyMismatchError(
@@ -103,6 +118,8 @@ class DraftLMDrafter(DrafterBase):
             raise VocabularyMismatchError(f"The draft vocabulary must be non-empty target ids below {target_vocab_size}.")
         if tree_nodes < 0 or tree_top_k < 1:
             raise ValueError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {tree_nodes}, {tree_top_k}.")
+        if window < 0 or sinks < 0 or (window and window <= sinks):
+            raise ValueError(f"A draft window must be 0 (off) or larger than its {sinks} sink tokens, got {window}.")
         if tree_nodes and head is not None:
             raise ValueError("An acceptance head stops chains; the draft-lm-tree drafter grows trees without one.")
         self.tree_nodes, self.tree_top_k = tree_nodes, tree_top_k
@@ -111,8 +128,9 @@ class DraftLMDrafter(DrafterBase):
         self.head = head.eval() if head is not None else None
         self.vocab = vocab
         self.lm_head = draft_head(model, vocab)
-        self.lm = CachedLM(self.model)
-        self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache
+        self.window, self.sinks = window, sinks
+        self.inv_freq = rotary_frequencies(self.model) if window else None
+        self.reset()
 
     @property
     def predicts_acceptance(self) -> bool:
@@ -121,17 +139,45 @@ class DraftLMDrafter(DrafterBase):
 
     def reset(self) -> None:
         self.lm = CachedLM(self.model)
-        self.cached = []
+        self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache, in cache order
+        # Context tokens between the sinks and the window that the cache does not hold: cache slot i holds
+        # context[i] below the sinks and context[i + skipped] from them on (always 0 without a window).
+        self.skipped = 0
+        self.peak_kv_bytes = 0
 
     def _sync(self, context: list[int]) -> list[int]:
         """Roll the cache back to the longest prefix shared with `context`; return the tokens to feed."""
-        common = 0
-        limit = min(len(self.cached), len(context) - 1)  # always re-feed the last token to get logits
-        while common < limit and self.cached[common] == context[common]:
+        skip, common = self.skipped, 0
+        limit = min(len(self.cached), len(context) - skip - 1)  # always re-feed the last token to get logits
+        while common < limit and self.cached[common] == context[common + (skip if common >= self.sinks else 0)]:
             common += 1
+        if common < self.sinks:  # the window is cropped away with the sinks that differ: context order again
+            self.skipped = skip = 0
         self.lm.crop(common)
-        self.cached = context[:common]
-        return context[common:]
+        self.cached = self.cached[:common]
+        return context[common + (skip if common >= self.sinks else 0):]
+
+    def _fit(self, feed: list[int], room: int) -> list[int]:
+        """With a window: make the cache plus `feed` plus `room` drafted positions fit in it, dropping the
+        oldest tokens after the sinks (from the cache, then from the head of `feed`); the tokens to feed."""
+        common = len(self.cached)
+        over = common + len(feed) + room - self.window
+        if not self.window or over <= 0:
+            return feed
+        drop = over + (self.window - self.sinks) // EVICT_FRACTION
+        if self.window - self.sinks - room - (self.window - self.sinks) // EVICT_FRACTION < 1:
+            raise ValueError(f"A draft window of {self.window} tokens with {self.sinks} sinks has no room for "
+                             f"{room} drafted tokens: widen it (draft_window).")
+        evicted = min(drop, max(common - self.sinks, 0))
+        if evicted:
+            self.lm.evict(self.sinks, evicted, self.inv_freq)
+            del self.cached[self.sinks: self.sinks + evicted]
+        head = max(self.sinks - common, 0)  # feed tokens that are still sinks
+        self.skipped += drop
+        return feed[:head] + feed[head + drop - evicted:]
+
+    def _measure(self) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.lm.kv_bytes())
 
     def _forward_last(self, feed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [V] at the last fed token and its hidden state [H] (the acceptance head reads it)."""
@@ -144,7 +190,7 @@ class DraftLMDrafter(DrafterBase):
         stop(acceptance probabilities so far) is True."""
         if stop is not None and self.head is None:
             raise ValueError("A per-token stop rule needs an acceptance head; load one into the draft-lm drafter.")
-        feed = self._sync(context)
+        feed = self._fit(self._sync(context), self.tree_nodes if self.tree_nodes else k)
         if self.tree_nodes and k > 0:
             return self._tree(feed, k)
         tokens: list[int] = []
@@ -165,6 +211,7 @@ class DraftLMDrafter(DrafterBase):
                 if stop(accept_probs):
                     break
             feed = [token]
+        self._measure()
         # At temperature 0 q is exactly the one-hot of each token, which the verifiers assume for q=None.
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None, accept_probs=accept_probs if stop else None)
 
@@ -209,4 +256,5 @@ class DraftLMDrafter(DrafterBase):
         try:
             return grow_nodes(self._children(root_hidden[None])[0], expand, max_depth, self.tree_top_k, verified)
         finally:
+            self._measure()
             self.lm.crop(verified)

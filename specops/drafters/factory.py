@@ -56,7 +56,8 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
     if spec.weights == "draft_lm":
         head = AcceptanceHead.load(acceptance_head_path) if acceptance_head_path is not None else None
         model, vocab = load_draft(weights, target.model.dtype)  # bf16 halves the draft's cost too
-        draft_lm = DraftLMDrafter(model, target.vocab_size, head, vocab, nodes, config.tree_top_k)
+        draft_lm = DraftLMDrafter(model, target.vocab_size, head, vocab, nodes, config.tree_top_k,
+                                  config.draft_window, config.draft_sinks)
         if kind == "draft-lm-suffix":
             return SuffixFrontDrafter(_suffix(config, 0), draft_lm, config.suffix_front_min_score)
         return draft_lm

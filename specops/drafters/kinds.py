@@ -98,6 +98,13 @@ class DecodingConfig:
     # draft-lm-suffix: the suffix tries' draft is taken (and the draft LM not run) when the tries expect at
     # least this many of its tokens to be accepted (the sum of their estimated probabilities).
     suffix_front_min_score: float = 1.0
+    # Draft-LM kinds (specops/drafters/draft_lm.py; LongSpec): the draft's KV cache holds at most draft_window
+    # tokens, the context's first draft_sinks (attention sinks) and its most recent, at positions below
+    # draft_window, so its memory and cost per token stop growing with the context and it runs at positions
+    # it was trained on: set it no larger than the draft's training length (train_draft's max_seq_len).
+    # 0 keeps every context token (the draft's positions then reach the context's length).
+    draft_window: int = 0
+    draft_sinks: int = 4
     # del (specops/drafters/del_exit.py): the exit layer to draft from, one of the exit heads' layers;
     # 0 picks the layer and the draft length (at most draft_tokens) per step from tracked acceptance (DEL).
     del_exit_layer: int = 0
@@ -129,6 +136,9 @@ class DecodingConfig:
 
     def __post_init__(self) -> None:
         check_runtime(self.static_width, self.compiled, self.prefill_chunk)
+        if self.draft_window and self.draft_window <= self.draft_sinks:
+            raise ValueError(f"draft_window must be 0 (off) or larger than draft_sinks ({self.draft_sinks}), "
+                             f"got {self.draft_window}.")
         if self.static_width and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:
             raise ValueError(f"The static runtime verifies chains only; '{self.drafter}' drafts trees "
                              "(their rows would read ancestors at scattered cache slots). Use static_width 0.")
@@ -145,18 +155,24 @@ class DecodingConfig:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method of `specops bench` and the evaluate stage: `kind[+policy][@size]`.
+    """A method of `specops bench` and the evaluate stage: `kind[+policy][@size][:window=N]`.
 
     '@size' is what the kind's `size` names: Token Recycling tree nodes, dynamic-tree nodes (whose
-    depth is draft_tokens) or chain draft tokens (the policy's k or bound)."""
+    depth is draft_tokens) or chain draft tokens (the policy's k or bound). ':window=N' gives a draft-LM
+    kind a draft window of N tokens (DecodingConfig.draft_window)."""
 
     kind: str
     policy: str = "fixed"
     size: int | None = None
+    window: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> MethodSpec:
-        method, at, size = spec.partition("@")
+        body, colon, option = spec.partition(":")
+        key, _, value = option.partition("=")
+        if colon and (key != "window" or not value.isdigit()):
+            raise ValueError(f"Method '{spec}': the only option after ':' is window=N (N tokens, 0: off).")
+        method, at, size = body.partition("@")
         kind, plus, policy = method.partition("+")
         if kind not in DRAFTERS:
             raise ValueError(f"Unknown method '{spec}': the drafter must be one of {', '.join(DRAFTERS)}.")
@@ -167,10 +183,13 @@ class MethodSpec:
             raise ValueError(f"Method '{spec}': draft length policies apply to {allowed} only.")
         if at and not (size.isdigit() and int(size) > 0):
             raise ValueError(f"Method '{spec}': the size after @ must be a positive integer.")
-        return cls(kind, policy or "fixed", int(size) if at else None)
+        if colon and DRAFTERS[kind].weights != "draft_lm":
+            raise ValueError(f"Method '{spec}': a draft window applies to {', '.join(DRAFT_LM_KINDS)} only.")
+        return cls(kind, policy or "fixed", int(size) if at else None, int(value) if colon else None)
 
     def __str__(self) -> str:
-        return self.kind + (f"+{self.policy}" if self.policy != "fixed" else "") + (f"@{self.size}" if self.size else "")
+        return (self.kind + (f"+{self.policy}" if self.policy != "fixed" else "") + (f"@{self.size}" if self.size else "")
+                + (f":window={self.window}" if self.window is not None else ""))
 
     @property
     def drafter(self) -> DrafterKind:
@@ -181,4 +200,6 @@ class MethodSpec:
         config = replace(base or DecodingConfig(verifier="greedy"), drafter=self.kind, policy=self.policy)
         if self.size is not None:
             setattr(config, self.drafter.size, self.size)
+        if self.window is not None:
+            config = replace(config, draft_window=self.window)  # replace() checks it against draft_sinks
         return config

@@ -55,6 +55,10 @@ class SuffixFrontDrafter(DrafterBase):
     def remembers(self) -> int:  # type: ignore[override]
         return self.front.remembers
 
+    @property
+    def peak_kv_bytes(self) -> int:  # type: ignore[override]
+        return self.back.peak_kv_bytes  # the suffix tries are no KV cache
+
     def reset(self) -> None:
         self.front.reset()
         self.back.reset()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specops.core.loop import SpeculativeGenerator
+from specops.core.loop import PrefillCache, SpeculativeGenerator
 from specops.core.policies import HEAD_POLICIES
 from specops.core.target import Target, encode_prompt
 from specops.core.types import DEFAULT_PREFILL_CHUNK, GenerationStats
@@ -64,6 +64,16 @@ class BenchConfig:
     compiled: bool = False  # the static runtime's passes through torch.compile (DecodingConfig.compiled)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill pass (DecodingConfig.prefill_chunk)
     hf_prompt_lookup_tokens: int = 10  # HF's documented default for prompt_lookup_num_tokens; 0 skips that baseline
+    hf_greedy: bool = True  # False skips HF greedy (long prompts: its prefill alone takes minutes); then no speedup_vs_ar
+    # Our generators reuse the prompt's prefill, computed by the first of them to run on it (the order
+    # rotates), so a long prompt is prefilled once, not once per method (specops.core.loop.PrefillCache;
+    # static runtime only). Only that one's wall time includes a prefill: compare methods by
+    # decode_tokens_per_s (end-to-end speedups are then left out, except HF greedy's own).
+    share_prefill: bool = False
+    # The untimed warm-up generation's prompt: the first prompt's first N tokens; 0: all of it but its first
+    # token, so a compiled runtime meets the timed prompts' cache length before the timing (not in the
+    # first method's first prompt), and a shared prefill is not the timed prompt's.
+    warmup_tokens: int = 32
 
 
 def _hf_method(target: Target, max_new_tokens: int, **kwargs: Any) -> Method:
@@ -88,11 +98,11 @@ def build_methods(target: Target, cfg: BenchConfig,
     from specops.drafters.draft_lm import load_draft_model
 
     m = cfg.max_new_tokens
-    methods: dict[str, Method] = {BASELINE: _hf_method(target, m),
-                                  PLAIN: _our_method(SpeculativeGenerator(target, None, "greedy", 0,
-                                                                          static_width=cfg.static_width,
-                                                                          compiled=cfg.compiled,
-                                                                          prefill_chunk=cfg.prefill_chunk), m)}
+    shared = PrefillCache() if cfg.share_prefill else None
+    methods: dict[str, Method] = {BASELINE: _hf_method(target, m)} if cfg.hf_greedy else {}
+    methods[PLAIN] = _our_method(SpeculativeGenerator(target, None, "greedy", 0, static_width=cfg.static_width,
+                                                      compiled=cfg.compiled, prefill_chunk=cfg.prefill_chunk,
+                                                      prefill_cache=shared), m)
     if cfg.hf_prompt_lookup_tokens:
         methods["hf_prompt_lookup"] = _hf_method(target, m, prompt_lookup_num_tokens=cfg.hf_prompt_lookup_tokens)
     if cfg.draft_model and cfg.hf_assisted:
@@ -110,7 +120,7 @@ def build_methods(target: Target, cfg: BenchConfig,
         drafter = build_drafter(method.kind, target, config, weights, head)
         policy = build_policy(config, target, drafter)
         generator = SpeculativeGenerator(target, drafter, "greedy", config.draft_tokens, policy, config.static_width,
-                                         config.compiled, config.prefill_chunk)
+                                         config.compiled, config.prefill_chunk, prefill_cache=shared)
         methods[spec] = _our_method(generator, m)
     for name, generator in (extra or {}).items():
         methods[name] = _our_method(generator, m)
@@ -193,7 +203,7 @@ def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig
             suffix[name + tag] = tag
     with torch.inference_mode():
         for run in methods.values():
-            run(encoded[0][:32])  # warm-up: allocator, kernels, lazy imports
+            run(encoded[0][:cfg.warmup_tokens] if cfg.warmup_tokens else encoded[0][1:] or encoded[0])  # allocator, kernels, imports
     totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0, "identical_plain": 0} for name in methods}
     merged: dict[str, GenerationStats] = {name: GenerationStats() for name in methods}
     per_prompt: list[dict[str, Any]] = []
@@ -216,9 +226,11 @@ def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig
                 merge_stats(merged[name], stats)
             row[name] = {"tokens": len(tokens), "seconds": round(seconds, 4)}
             if stats is not None:  # per request: how a drafter that learns from traffic improves over a stream
-                row[name].update(steps=stats.steps, accepted=stats.accepted)
+                row[name].update(steps=stats.steps, accepted=stats.accepted, prefill_s=round(stats.prefill_s, 4),
+                                 draft_kv_bytes=stats.draft_kv_bytes)
         for name, tokens in outputs.items():
-            same_ar, same_plain = tokens == outputs[BASELINE + suffix[name]], tokens == outputs[PLAIN + suffix[name]]
+            reference = outputs.get(BASELINE + suffix[name])
+            same_ar, same_plain = tokens == reference, tokens == outputs[PLAIN + suffix[name]]
             totals[name]["identical"] += int(same_ar)
             totals[name]["identical_plain"] += int(same_plain)
             row[name].update(identical=same_ar, identical_to_plain=same_plain)
@@ -226,22 +238,33 @@ def run_benchmark_ids(target: Target, prompts: list[list[int]], cfg: BenchConfig
     results = {}
     for name, total in totals.items():
         tps = total["tokens"] / total["seconds"]
-        base = totals[BASELINE + suffix[name]]
+        base = totals.get(BASELINE + suffix[name])
         stats = merged[name]
+        # Without a shared prefill every method's wall time includes its own; with one, only the first's on
+        # each prompt, which rotates, so no end-to-end ratio but HF greedy's (its own prefill) is fair.
+        walled = base is not None and (not cfg.share_prefill or name == BASELINE + suffix[name])
         results[name] = {
             "tokens_per_s": round(tps, 3),
-            "speedup_vs_ar": round(tps / (base["tokens"] / base["seconds"]), 4),  # HF greedy in the same dtype
-            "speedup_median": round(median_speedup(per_prompt, name, BASELINE + suffix[name]), 4),
+            # HF greedy in the same dtype, end to end (prefill included)
+            "speedup_vs_ar": round(tps / (base["tokens"] / base["seconds"]), 4) if walled else None,
+            "speedup_median": round(median_speedup(per_prompt, name, BASELINE + suffix[name]), 4) if walled else None,
+            # decoding alone (after the target's prefill, which `prefill_s` is): None for HF generate
+            "decode_tokens_per_s": round(total["tokens"] / (total["seconds"] - stats.prefill_s), 3) if stats.steps else None,
+            "prefill_s": round(stats.prefill_s, 3) if stats.steps else None,
             "mean_accepted_length": round(stats.mean_accepted_length, 4) if stats.steps else None,
             "acceptance_rate": round(stats.acceptance_rate, 4) if stats.steps else None,
             "acceptance_per_position": acceptance_per_position(stats),
             "draft_s": round(stats.draft_s, 3), "verify_s": round(stats.verify_s, 3),
-            "identical_to_ar": total["identical"] == len(encoded),  # HF greedy's tokens, same dtype
+            "identical_to_ar": total["identical"] == len(encoded) if base is not None else None,  # HF greedy's, same dtype
             "identical_to_plain": total["identical_plain"] == len(encoded),  # our plain decoding, same runtime
             "identical_prompts": total["identical"],
             "new_tokens": total["tokens"],
             "seconds": round(total["seconds"], 3),
         }
+    for name, row in results.items():  # decoding against our plain decoding through the same runtime, same dtype
+        plain = results[PLAIN + suffix[name]]["decode_tokens_per_s"]
+        row["decode_speedup_vs_plain"] = round(row["decode_tokens_per_s"] / plain, 4) \
+            if row["decode_tokens_per_s"] and plain else None
     return {"methods": results, "prompts": len(encoded), "config": asdict(cfg), "target": target.fingerprint.to_dict(),
             "dtype": str(target.model.dtype).removeprefix("torch."), "bound": physical_bound(target),
             "environment": environment(), "per_prompt": per_prompt,

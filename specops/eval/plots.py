@@ -89,6 +89,18 @@ def speed_quality(report: dict[str, Any], modes: list[str], path: Path) -> Path:
     return _save(fig, path)
 
 
+def speedup_vs_length(series: dict[str, list[tuple[float, float]]], path: Path, ylabel: str) -> Path:
+    """One line per method: (prompt tokens, speedup) points, with the break-even line at 1x."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in series.items():
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set(xlabel="prompt tokens", ylabel=ylabel, title="Speedup as the prompt grows")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -48,7 +48,7 @@ def decoding_shape(generator: TextGenerator) -> DecodingShape:
     return DecodingShape(dtype=str(target.model.dtype).removeprefix("torch."),
                          prefill_chunk=generator.config.prefill_chunk,
                          sampled=True,  # the server accepts sampled requests: their float32 buffers count
-                         gguf=target.fingerprint.name.endswith(".gguf"))
+                         gguf=target.fingerprint.name.endswith(".gguf"), draft_window=generator.config.draft_window)
 
 
 def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> MemoryPlan:

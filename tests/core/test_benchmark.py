@@ -74,3 +74,24 @@ def test_the_run_order_rotates_by_one_method_per_prompt(target):
     report = run_benchmark(target, PROMPTS, BenchConfig(n=2, max_new_tokens=4, drafters=["prompt-lookup"]))
     first, second = (row["order"] for row in report["per_prompt"])
     assert second == rotated(first, 1) and sorted(first) == sorted(report["methods"])
+
+
+def test_a_long_prompt_bench_shares_the_prefill_and_may_skip_hf_greedy(draft_dir):
+    """benchmarks/long_context.py's settings: the first generator to run on a prompt prefills it and
+    the others restore it, so methods compare by decoding speed; HF greedy is left out."""
+    from specops.core.target import target_from_model
+    from tests.conftest import tiny_llama, tiny_tokenizer
+
+    bf16 = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    cfg = BenchConfig(n=2, max_new_tokens=12, drafters=["prompt-lookup@3", "draft-lm@3:window=12"],
+                      draft_model=str(draft_dir), hf_assisted=False, hf_prompt_lookup_tokens=0, static_width=4,
+                      hf_greedy=False, share_prefill=True, warmup_tokens=0)
+    report = run_benchmark(bf16, PROMPTS, cfg)
+    methods = report["methods"]
+    assert set(methods) == {PLAIN, "prompt-lookup@3", "draft-lm@3:window=12"}
+    assert methods[PLAIN]["decode_speedup_vs_plain"] == 1.0
+    for name, row in methods.items():
+        assert row["identical_to_plain"] and row["identical_to_ar"] is None and row["speedup_vs_ar"] is None, name
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_s"] >= 0
+    for row in report["per_prompt"]:
+        assert row["draft-lm@3:window=12"]["draft_kv_bytes"] > 0 == row["prompt-lookup@3"]["draft_kv_bytes"]

@@ -34,6 +34,10 @@ def make_drafters(target, draft_model):
         "hybrid": RecyclingDrafter(vocab, num_nodes=6, lookup=PromptLookupDrafter(max_ngram=2)),
         "draft-lm": DraftLMDrafter(draft_model, vocab),
         "self-draft": DraftLMDrafter(target.model, vocab),  # every draft accepted: exercises the bonus path
+        # A draft window of 12 (2 sinks) evicts within these prompts plus 40 tokens: positions move, the
+        # long prompt is prefilled as its sinks and last tokens. As a self-draft it shares the target model.
+        "draft-lm-window": DraftLMDrafter(draft_model, vocab, window=12, sinks=2),
+        "self-draft-window": DraftLMDrafter(target.model, vocab, window=12, sinks=2),
         "draft-lm-tree": DraftLMDrafter(draft_model, vocab, tree_nodes=8, tree_top_k=3),
         "self-draft-tree": DraftLMDrafter(target.model, vocab, tree_nodes=6, tree_top_k=2),
         # Learns from every earlier generation: repeated prompts draft their earlier output.
@@ -62,6 +66,31 @@ def test_every_drafter_matches_target_greedy(target, draft_model, verifier):
             for n in (1, 7, 40):
                 got = generator.generate(prompt, n).token_ids
                 assert got == reference(target.model, prompt, n), (name, verifier, prompt, n)
+
+
+def test_a_window_that_rotates_the_models_own_frequencies_is_caught(target, monkeypatch):
+    """Must-fail: a window's re-rotation that computes its angles in place, in the rotary frequencies it was
+    handed (the model's own buffer, not a copy), moves the target's positions too: the output is no longer
+    greedy decoding's. The self-draft window shares the target model, as in the suite above."""
+    import specops.core.kv as kv
+
+    def shift_in_place(keys, shift, inv_freq):
+        angle = inv_freq.mul_(shift)
+        emb = torch.cat((angle, angle)).float()
+        return kv.rotate(keys.float(), emb.cos(), emb.sin()).to(keys.dtype)
+
+    expected = [reference(target.model, prompt, 40) for prompt in PROMPTS]
+    saved = target.model.model.rotary_emb.inv_freq.clone()
+    monkeypatch.setattr(kv, "shift_positions", shift_in_place)
+    try:
+        got = []
+        for prompt in PROMPTS:  # a fresh drafter (and frequencies) per prompt: the first eviction corrupts them
+            target.model.model.rotary_emb.inv_freq.copy_(saved)
+            drafter = DraftLMDrafter(target.model, target.vocab_size, window=12, sinks=2)
+            got.append(SpeculativeGenerator(target, drafter, draft_tokens=4).generate(prompt, 40).token_ids)
+        assert got != expected  # (the tiny target's argmax ignores positions on some prompts, not on all)
+    finally:
+        target.model.model.rotary_emb.inv_freq.copy_(saved)
 
 
 def test_self_draft_accepts_everything(target):

@@ -28,6 +28,7 @@ from scipy.stats import chisquare
 
 from specops.core.cost_model import CostModel
 from specops.core.drafter import Draft, Drafter, DrafterBase
+from specops.core.kv import CachedLM
 from specops.core.loop import SpeculativeGenerator
 from specops.core.policies import (
     FixedPolicy,
@@ -167,6 +168,12 @@ def draft_lm(head: bool = False, tree_nodes: int = 0) -> DraftLMDrafter:
     return DraftLMDrafter(DRAFT, V, acceptance_head() if head else None, tree_nodes=tree_nodes, tree_top_k=2)
 
 
+def windowed() -> DraftLMDrafter:
+    """The draft LM with a window of 6 (1 sink): from the second step on it drafts from the context's first
+    token and its last ones, a distribution of its own (the table LM reads every key it is shown)."""
+    return DraftLMDrafter(DRAFT, V, window=6, sinks=1)
+
+
 def suffix_front(head: bool = False) -> SuffixFrontDrafter:
     """The draft LM behind a suffix front that takes over once the samples so far repeat."""
     return SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), draft_lm(head=head), min_score=1.0)
@@ -185,6 +192,9 @@ CHAIN_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "suffix": lambda: SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),  # drafts from earlier samples: its cache outlives a generation
     "draft-lm-suffix": suffix_front,
     "cosine": cosine,
+
+
+    "draft-lm-window": windowed,
 }
 TREE_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "recycling": lambda: RecyclingDrafter(V, num_nodes=6, top_k=3),
@@ -365,6 +375,26 @@ def test_a_router_that_peeks_at_the_target_is_caught():
     """cosine routes from the committed context alone; routing on the target's next token must fail the same test."""
     generator = SpeculativeGenerator(table_target(TARGET), cosine(cls=RouterPeeksAtTarget), "rejection", K)
     assert report("mutant: router peeks at the target", sampled_p_value(generator)) < MUTANT_ALPHA
+
+
+class WindowQFromTheWholeContext(DraftLMDrafter):
+    """Mutant: draws each token from the window's distribution but reports q from the whole context's, as a
+    window that kept a second, full cache for its q rows would."""
+
+    def propose(self, context, k, sampling, generator, stop=None):
+        draft = super().propose(context, k, sampling, generator, stop)
+        full = CachedLM(self.model)
+        full.prefill(context[:-1])
+        logits = self.lm_head(full.forward_final_hidden([context[-1], *draft.tokens[:-1]]))
+        return Draft(draft.tokens, logits_to_probs(logits, sampling))
+
+
+@pytest.mark.slow
+def test_window_q_from_the_whole_context_is_caught():
+    """draft-lm-window's q is the window's own distribution; q from the whole context must fail the same test."""
+    generator = SpeculativeGenerator(table_target(TARGET), WindowQFromTheWholeContext(DRAFT, V, window=6, sinks=1),
+                                     "rejection", K)
+    assert report("mutant: window q from the whole context", sampled_p_value(generator)) < MUTANT_ALPHA
 
 
 @pytest.mark.slow

@@ -87,6 +87,22 @@ def test_draft_kv_is_a_dynamic_cache_of_the_context():
     assert ModelShape.of(draft.config).kv_bytes(tokens, 4) == held
 
 
+def test_a_draft_window_caps_the_draft_kv_at_what_the_windowed_drafter_holds():
+    from specops.core.loop import SpeculativeGenerator
+    from specops.core.target import target_from_model
+    from specops.drafters.draft_lm import DraftLMDrafter
+    from tests.conftest import tiny_tokenizer
+
+    draft, window = tiny_llama(1, layers=1, hidden=32), 24
+    target = target_from_model(tiny_llama(0), tiny_tokenizer(), "t")
+    drafter = DraftLMDrafter(draft, target.vocab_size, window=window, sinks=4)
+    held = SpeculativeGenerator(target, drafter, draft_tokens=4).generate([(7 * i) % 90 + 5 for i in range(120)], 16).stats.draft_kv_bytes
+    shape = ModelShape.of(SMOLLM2)
+    modelled = [memory_report(shape, DecodingShape(dtype="float32", context=c, draft_window=window), ModelShape.of(draft.config))
+                for c in (64, 1000)]
+    assert held <= modelled[0].request.draft_kv == modelled[1].request.draft_kv == ModelShape.of(draft.config).kv_bytes(window, 4)
+
+
 def test_report_adds_up_and_grows_with_what_it_should():
     shape = ModelShape.of(SMOLLM2)
     base = DecodingShape(dtype="bfloat16", static_width=5, draft_tokens=4, context=2048)

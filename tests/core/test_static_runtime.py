@@ -182,6 +182,8 @@ def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
     plain = SpeculativeGenerator(target, None, "greedy", WIDTH - 1, static_width=WIDTH)
     drafters = {"prompt-lookup": PromptLookupDrafter(3), "draft-lm": DraftLMDrafter(draft, target.vocab_size),
                 "self-draft": DraftLMDrafter(target.model, target.vocab_size), "aligned_head": aligned(target.model),
+                # evicts within these prompts plus 24 tokens (a window of 10 holds 2 sinks and 8 recent tokens)
+                "draft-lm-window": DraftLMDrafter(draft, target.vocab_size, window=10, sinks=2),
                 "suffix": SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
                 "draft-lm-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
                                                       DraftLMDrafter(draft, target.vocab_size), 1.0),
