@@ -6,6 +6,7 @@ prefix is never recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +71,11 @@ def rotary_frequencies(model: PreTrainedModel) -> torch.Tensor | None:
         raise ValueError(f"Rope type '{rotary.rope_type}' cannot move cached keys to new positions; a draft "
                          f"window needs one of {', '.join(ROPE_TYPES)}.")
     return rotary.inv_freq.detach()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of memory the tensors hold: their storages' (a cropped view still holds the whole)."""
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 class CachedLM:
@@ -155,9 +161,8 @@ class CachedLM:
             layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, start + count:]], dim=2)
 
     def kv_bytes(self) -> int:
-        """Bytes of memory its keys and values hold (their storage: a cropped view still holds the whole)."""
-        return sum(t.untyped_storage().nbytes() for layer in self.cache.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
+        """Bytes of memory its keys and values hold."""
+        return storage_bytes(t for layer in self.cache.layers if layer.is_initialized for t in (layer.keys, layer.values))
 
     def keep(self, start: int, offsets: list[int]) -> None:
         """Keep cache entries start+offsets (ascending) and drop the rest after `start`.

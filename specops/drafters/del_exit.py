@@ -40,7 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
-from specops.core.kv import CachedLM, StaticLM
+from specops.core.kv import CachedLM, StaticLM, storage_bytes
 from specops.core.llama import LlamaForward, llama_forward, rms_norm
 from specops.core.policies import expected_tokens
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
@@ -256,7 +256,7 @@ class DELDrafter(DrafterBase):
         """Its private early-layer cache, which only grows (none while it drafts in the target's cache)."""
         if self.cache.shared is not None:
             return 0
-        return sum(t.untyped_storage().nbytes() for t in (*self.cache.keys, *self.cache.values))
+        return storage_bytes((*self.cache.keys, *self.cache.values))
 
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
         """Draft into the target's own static cache. A dynamic cache, or a static one whose passes a batcher

@@ -241,7 +241,7 @@ class DraftLMDrafter(DrafterBase):
             return []
         hidden = self.lm.forward_final_hidden(feed)  # [n, H]
         self.cached += feed
-        return self.lm_head(hidden).argmax(-1).tolist()
+        return argmax(self.lm_head(hidden)).tolist()
 
     def _grow(self, feed: list[int], max_depth: int) -> list[TreeNode]:
         """Feed the new context tokens, then grow the dynamic tree's nodes; drafted positions leave the cache."""

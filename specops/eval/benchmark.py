@@ -2,9 +2,10 @@
 
 Methods run interleaved prompt by prompt, so a change in machine load hits all of them alike and
 the speed ratios stay meaningful. The order rotates by one method per prompt, so no method always runs
-in the same place (after the same neighbour, first or last): in two quiet evaluate runs the champion,
-run last, was 8% faster than the same method and weights run mid-list. Each method gets one untimed
-warm-up generation first.
+in the same place (after the same neighbour, first or last). (Prompted by two quiet evaluate runs where
+the champion, run last, was 8% faster than the same method and weights run mid-list; rotated, a third
+run still had it 3% faster and a fourth equal, so position was not the whole cause.) Each method gets
+one untimed warm-up generation first.
 
 Two speedups per method: `speedup_vs_ar`, total tokens over total time against the baseline's, and
 `speedup_median`, the median over prompts of each prompt's own ratio. A burst of load from another job
