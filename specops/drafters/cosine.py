@@ -125,6 +125,11 @@ class CosineDrafter(DrafterBase):
         self.seen = 0  # context tokens scored so far (all but the first)
         self.routed = [0] * len(self.specialists)  # steps each specialist drafted (cosine) or led (cosine-tree)
 
+    @property
+    def peak_kv_bytes(self) -> int:  # type: ignore[override]
+        """Every specialist keeps its own draft cache (each reads every committed token)."""
+        return sum(specialist.peak_kv_bytes for specialist in self.specialists)
+
     def scores(self) -> list[float]:
         return [score(state) for state in self.hits]
 
@@ -133,6 +138,7 @@ class CosineDrafter(DrafterBase):
         start = max(self.seen - 1, 0)
         for i, specialist in enumerate(self.specialists):
             guesses = specialist.guesses(context, start)
+            specialist._measure()  # its cache grew by reading, whether or not it drafts this step
             truth = context[start + 1:]
             self.hits[i] = decayed_hits(self.hits[i], [g == t for g, t in zip(guesses, truth, strict=True)],
                                         self.settings.decay)

@@ -117,6 +117,9 @@ def test_the_router_sends_steps_to_the_specialist_the_target_agrees_with(target,
     assert drafter.routed[1] >= drafter.routed[0] and sum(drafter.routed) == result.stats.steps
     alone = SpeculativeGenerator(target, DraftLMDrafter(draft_model, target.vocab_size), draft_tokens=4)
     assert result.stats.accepted > alone.generate(PROMPT, 40).stats.accepted
+    # Its draft memory is both specialists' caches (the weak one read every token too, though it drafted less).
+    peaks = [s.peak_kv_bytes for s in drafter.specialists]
+    assert min(peaks) > 0 and result.stats.draft_kv_bytes == sum(peaks) >= sum(s.lm.kv_bytes() for s in drafter.specialists)
 
 
 def test_the_fused_tree_holds_both_specialists_and_fits_its_size(target, draft_model):
