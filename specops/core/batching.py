@@ -1,23 +1,32 @@
 """Continuous batching for the static runtime: the target passes of concurrent generations run as one.
 
 Each generation runs its own loop on its own thread (drafting, verification rules, its own KV cache)
-and hands its fixed-width target passes to a `PassBatcher`. The batcher collects the passes that
+and hands its target passes to a `PassBatcher`. The batcher's pass thread collects the passes that
 arrive together and runs them as one `LlamaForward.forward_many`: the matrix products read the
-weights once for every sequence's rows, attention runs per sequence over its own cache. Requests
-join and leave between passes, and each keeps its own positions, cache length and width, so no
-sequence is padded to another's length (EMS-SD's point, arXiv 2405.07542, reached here by packing
-each sequence's rows and attending per sequence rather than with a padded batch).
+weights once for every sequence's rows, and sequences whose caches have the same length attend in one
+call. Requests join and leave between passes; each sequence keeps its own positions, cache length and
+static width, so no sequence is padded to another's length (EMS-SD's aim, arXiv 2405.07542; its other
+half, only the real rows in the pass, is off: see specops.core.kv.StaticLM.forward).
 
-Exactness: a row's logits are bitwise the same alone or in any batch when the products do not depend
-on the pass's row count and each sequence's attention call keeps its shape. bf16 `F.linear` agreed
-over 2 to 96 rows for every SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel,
-hence `types.MIN_ROWS`); SDPA rows changed with the query count on the real target, hence the fixed
-width per sequence. fp32 products are not invariant (MKL picks other kernels for other row counts at
-2 threads), so `batch_invariant` refuses fp32 targets and a server then runs one generation at a time.
-tests/core/test_batching.py checks this on small models; benchmarks/load_test.py on the real target.
+Exactness: a row's logits are bitwise the same alone or in any batch when neither the products nor
+attention change a row with the pass's shape. bf16 `F.linear` agreed over 2 to 96 rows for every
+SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel, hence `types.MIN_ROWS`);
+`LlamaForward.attention` agrees over query counts and batch sizes (SDPA's flash kernel did not: it
+changed rows with the query count on the real target). fp32 products are not invariant (MKL picks
+other kernels for other row counts at 2 threads), so `batch_invariant` refuses fp32 targets and a
+server then runs one generation at a time. tests/core/test_batching.py checks this on small models;
+benchmarks/load_test.py on the real target.
 
-Who runs a batch: the thread whose pass completes the set of registered sequences, or the first whose
-wait exceeds `window_s` (a sequence still drafting does not hold the others back longer than that).
+One pass thread runs every pass (prefills too, each as a pass of its own), with all the intra-op
+threads; the generation threads run theirs (drafting, verification) on one. With OpenMP, every Python
+thread that runs a parallel op owns a team of worker threads, and once they outnumber the cores libgomp
+stops spinning between parallel regions, so each op paid a wake-up: a batched pass took 50-60 ms on a
+generation thread against 23 ms on the main thread (SmolLM2 bf16, 8 sequences, 2 cores).
+
+When a batch runs: as soon as every registered sequence's pass is in; else a pass waits up to one pass
+time for the sequences of the last batch (they are preparing their next pass: verifying, streaming,
+drafting, one thread at a time under the GIL; not waiting split 8 sequences into two half-size batches
+that alternated), and up to `window_s` for anyone else (a sequence that just joined may be drafting).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +46,7 @@ from specops.core.llama import LlamaForward, Segment
 from specops.core.policies import batch_draft_length
 
 DEFAULT_WINDOW_S = 0.002  # how long a pass waits for the other sequences' passes before running without them
+IDLE_EXIT_S = 5.0  # the pass thread ends after this long without work (a swapped-out model's batcher goes quiet)
 
 
 def batch_invariant(dtype: torch.dtype) -> bool:
@@ -43,22 +54,26 @@ def batch_invariant(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
-@dataclass
+@dataclass(eq=False)  # passes are compared by identity
 class _Pass:
-    segment: Segment
-    result: tuple[torch.Tensor, torch.Tensor] | None = None
+    work: Segment | Callable[[], Any]  # a segment to batch, or a call to run alone on the pass thread
+    alone: bool = False
+    thread: int = field(default_factory=threading.get_ident)  # the submitting sequence's
+    result: Any = None
     error: BaseException | None = None
     done: bool = False
     queued: float = field(default_factory=time.monotonic)
 
 
 class PassBatcher:
-    """Batches the fixed-width passes of the sequences registered with it (one batcher per target)."""
+    """Batches the passes of the sequences registered with it on one pass thread (one batcher per target)."""
 
     def __init__(self, forward: LlamaForward, window_s: float = DEFAULT_WINDOW_S,
-                 on_batch: Callable[[int], None] | None = None, cost: CostModel | None = None) -> None:
+                 on_batch: Callable[[int], None] | None = None, cost: CostModel | None = None,
+                 threads: int | None = None) -> None:
         """`cost` (the target's pass times by rows, the drafter's per token) lets each sequence shrink its
-        draft as the batch grows (`draft_cap`); without it drafts keep their policy's length."""
+        draft as the batch grows (`draft_cap`); without it drafts keep their policy's length. `threads`:
+        the pass thread's intra-op threads (default: every core)."""
         if not batch_invariant(forward.dtype):
             raise ValueError(f"Batched passes are bitwise exact in bfloat16 only; this target is {forward.dtype}.")
         self.forward = forward
@@ -66,66 +81,121 @@ class PassBatcher:
         self.on_batch = on_batch  # called with each batch's size (metrics)
         self.cost = cost
         self.cores = os.cpu_count() or 1
+        self.threads = threads or self.cores
         self._cond = threading.Condition()
         self._pending: list[_Pass] = []
-        self._sequences = 0  # sequences registered: in their decode loop, so a pass of theirs may come
-        self._running = False
+        self._members: set[int] = set()  # threads of the sequences in their decode loop: a pass of theirs may come
+        self._cohort: set[int] = set()  # threads whose passes ran in the last batch
+        self._pass_s = window_s  # the last batch's duration: how long a pass waits for the last batch's sequences
+        self._worker: threading.Thread | None = None
 
     @contextlib.contextmanager
     def sequence(self) -> Iterator[None]:
-        """A sequence's decode loop: while inside, a batch waits (up to the window) for its pass too."""
+        """A sequence's decode loop: while inside, a batch waits for its pass too (see the module docstring)."""
+        me = threading.get_ident()  # one sequence decodes per thread at a time
         with self._cond:
-            self._sequences += 1
+            self._members.add(me)
         try:
             yield
         finally:
             with self._cond:
-                self._sequences -= 1
+                self._members.discard(me)
                 self._cond.notify_all()  # the waiting passes may now be the whole set
 
     def draft_cap(self, acceptance: float, max_tokens: int) -> int:
         """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies)."""
         if self.cost is None:
             return max_tokens
-        return batch_draft_length(acceptance, self.cost, max(1, self._sequences), max_tokens, self.cores)
+        return batch_draft_length(acceptance, self.cost, max(1, len(self._members)), max_tokens, self.cores)
 
     def run(self, segment: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and layer outputs of `segment`'s rows, computed in a batch with whatever other
         sequences' passes are waiting."""
-        mine = _Pass(segment)
+        return self._submit(_Pass(segment))
+
+    def call(self, work: Callable[[], Any]) -> Any:
+        """`work()` run alone on the pass thread, between batches (a prompt's prefill, timing the target)."""
+        return self._submit(_Pass(work, alone=True))
+
+    def _submit(self, mine: _Pass) -> Any:
         with self._cond:
             self._pending.append(mine)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="specops-passes", daemon=True)
+                self._worker.start()
             self._cond.notify_all()
             while not mine.done:
-                oldest = min(p.queued for p in self._pending) if self._pending else time.monotonic()
-                wait = oldest + self.window_s - time.monotonic()
-                if not self._running and self._pending and (len(self._pending) >= self._sequences or wait <= 0):
-                    self._execute()
-                else:
-                    self._cond.wait(timeout=max(wait, 1e-4) if self._pending and not self._running else None)
+                self._cond.wait()
         if mine.error is not None:
             raise mine.error
-        assert mine.result is not None
         return mine.result
 
-    def _execute(self) -> None:
-        """Run the pending passes as one (called holding the lock, which it releases meanwhile)."""
-        batch, self._pending = self._pending, []
-        self._running = True
+    def _loop(self) -> None:
+        """The pass thread: runs whatever is due, or ends after IDLE_EXIT_S without work."""
+        torch.set_num_threads(self.threads)  # this thread's own OpenMP setting; generation threads set theirs
+        with self._cond:
+            idle_since = time.monotonic()
+            try:
+                while True:
+                    due, wait = self._due()
+                    if due:
+                        self._execute(due)
+                        idle_since = time.monotonic()
+                    elif self._pending:
+                        self._cond.wait(timeout=wait)
+                    elif time.monotonic() - idle_since > IDLE_EXIT_S:
+                        return
+                    else:
+                        self._cond.wait(timeout=IDLE_EXIT_S)
+            except BaseException as error:  # a bug here must not leave sequences waiting forever
+                for p in self._pending:
+                    p.error, p.done = error, True
+                self._pending = []
+                raise
+            finally:
+                self._worker = None  # a later pass starts a new thread
+                self._cond.notify_all()
+
+    def _due(self) -> tuple[list[_Pass], float]:
+        """The passes to run now (a batch, or one pass alone), else none and how long to wait (holding the lock)."""
+        batch, wait = [p for p in self._pending if not p.alone], IDLE_EXIT_S
+        if batch:
+            here = {p.thread for p in batch}
+            oldest = min(p.queued for p in batch)
+            patience = self._pass_s if (self._cohort & self._members) - here else self.window_s
+            wait = 0.0 if here >= self._members else oldest + max(patience, self.window_s) - time.monotonic()
+            if wait <= 0:
+                return batch, 0.0
+        alone = [p for p in self._pending if p.alone]
+        if alone:  # runs while the batch gathers: the stragglers arrive meanwhile
+            return alone[:1], 0.0
+        return [], wait
+
+    def _execute(self, due: list[_Pass]) -> None:
+        """Run `due` (called holding the lock, which it releases meanwhile)."""
+        self._pending = [p for p in self._pending if p not in due]
+        batched = not due[0].alone
+        if batched:
+            self._cohort = {p.thread for p in due}
         self._cond.release()
+        began = time.monotonic()
         try:
-            if self.on_batch is not None:
-                self.on_batch(len(batch))
             with torch.inference_mode():
-                results = self.forward.forward_many([p.segment for p in batch])
-            for p, result in zip(batch, results, strict=True):
+                if batched:
+                    if self.on_batch is not None:
+                        self.on_batch(len(due))
+                    results = self.forward.forward_many([p.work for p in due])  # type: ignore[misc]
+                else:
+                    results = [due[0].work()]  # type: ignore[operator]
+            for p, result in zip(due, results, strict=True):
                 p.result = result
-        except BaseException as error:  # every waiting sequence gets it, not only the thread that ran it
-            for p in batch:
+        except BaseException as error:  # every waiting sequence gets it, not only one
+            for p in due:
                 p.error = error
         finally:
             self._cond.acquire()
-            self._running = False
-            for p in batch:
+            if batched:
+                self._pass_s = time.monotonic() - began
+            for p in due:
                 p.done = True
             self._cond.notify_all()

@@ -9,8 +9,9 @@ and up from another, the rotary tables are built once per cache, keys and values
 Compiled (`compiled=True`), inductor freezes the weights, autotunes each product (its C++ GEMM template
 against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same pass took 14-19 ms
 (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
-SDPA with a boolean mask), so eager logits match its forward; compiled ones differ by kernel rounding,
-the same for every pass of the same shape, which is what batch invariance needs (specops.core.kv).
+its eager attention for decoding passes and SDPA for a prompt's prefill), so eager logits match its
+forward; compiled ones differ by kernel rounding, the same for every pass of the same shape, which is
+what batch invariance needs (specops.core.kv).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from specops.core.types import MIN_ROWS
 # Rope types whose rotation is a fixed function of the position (not of the sequence length), so the rotary
 # tables are built once per cache and cached keys can be moved to other positions (specops.core.kv).
 ROPE_TYPES = ("default", "linear", "llama3")
+# A sequence's rows in a pass up to this many attend through LlamaForward.attention (decoding and verification
+# passes); more (a prompt's prefill) through SDPA. Only the prefill crosses it, and plain and speculative
+# decoding share the prefill.
+MATH_ROWS = 64
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -44,6 +49,10 @@ class Segment:
     values: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
+
+    def args(self) -> tuple:
+        """The arguments of LlamaForward.forward, in order."""
+        return self.ids, self.pos, self.keys, self.values, self.cos, self.sin
 
 
 class UnsupportedModelError(ValueError):
@@ -158,13 +167,12 @@ class LlamaForward(nn.Module):
         sizes = [segment.ids.shape[0] for segment in segments]
         real = sum(sizes)
         n = max(real, min_rows)
-        # Elementwise work (rotary, views) runs on all rows at once; only the cache writes and attention,
-        # which read each sequence's own cache, run per sequence.
+        # Elementwise work (rotary, views) runs on all rows at once; only the cache writes, which go to each
+        # sequence's own cache, run per sequence, and attention per group of sequences (_Attention).
         pad = [0] * (n - real)
         cos = torch.cat([segment.cos[segment.pos] for segment in segments] + [segments[0].cos[pad]])
         sin = torch.cat([segment.sin[segment.pos] for segment in segments] + [segments[0].sin[pad]])
-        masks = [self.visibility(segment.pos, segment.keys[0].shape[1]) for segment in segments]
-        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        plan = _AttentionPlan(self, segments, sizes, n)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         ids = torch.cat([segment.ids for segment in segments])
         x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
@@ -175,23 +183,95 @@ class LlamaForward(nn.Module):
             q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
             v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            attended = []
-            for segment, mask, start, size in zip(segments, masks, starts, sizes, strict=True):
-                rows = slice(start, start + size)
+            for segment, rows in zip(segments, plan.rows, strict=True):
                 segment.keys[i].index_copy_(1, segment.pos, k[:, rows])
                 segment.values[i].index_copy_(1, segment.pos, v[:, rows])
-                attended.append(F.scaled_dot_product_attention(q[None, :, rows], segment.keys[i][None],
-                                                               segment.values[i][None], attn_mask=mask,
-                                                               enable_gqa=True)[0])
-            if n > real:
-                attended.append(q.new_zeros(self.heads, n - real, self.head_dim))
-            att = attended[0] if len(attended) == 1 else torch.cat(attended, dim=1)
+            att = plan.attend(q, i)
             x = x + F.linear(att.transpose(0, 1).reshape(n, q_size), self.o[i])
             h = rms_norm(x, self.mlp_norm[i], self.eps)
             gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, self.down[i])
             captured.append(x)
         return captured
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """transformers' eager Llama attention, op for op, over a batch of sequences with caches of one length:
+        q [B, heads, W, D], keys and values [B, kv_heads, L, D], visible [B, 1, W, L] -> [B, heads, W, D].
+
+        The products in the model dtype, the softmax in float32. Each query row is a dot product over D and
+        a softmax and a product over the key axis, so a row comes out bitwise the same whatever the query
+        count W and the batch B (bf16 and fp32, checked on this CPU for SmolLM2's head shapes; SDPA's
+        flash kernel changes some rows with W, which is why packed passes do not use it)."""
+        b, _, w, d = q.shape
+        groups = self.heads // self.kv_heads
+        # GQA by folding each kv head's query heads into rows, not by repeating the keys (a copy per pass).
+        scores = torch.matmul(q.reshape(b, self.kv_heads, groups * w, d), keys.transpose(-1, -2)) * d ** -0.5
+        scores = scores.view(b, self.kv_heads, groups, w, -1).masked_fill(~visible[:, :, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights.view(b, self.kv_heads, groups * w, -1), values).view(b, self.heads, w, d)
+
+
+class _AttentionPlan:
+    """How one pass attends: sequences whose caches have the same length attend in one batched call
+    (LlamaForward.attention, their queries padded to the group's widest), a long segment (a prefill) alone
+    through SDPA, whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence,
+    is what batching needs: SDPA's fixed cost (~60-90 us on this CPU) per sequence and layer was most of
+    a batched pass's time beyond the products."""
+
+    def __init__(self, forward: LlamaForward, segments: list[Segment], sizes: list[int], n: int) -> None:
+        self.forward = forward
+        self.segments = segments
+        self.n = n
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        self.rows = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+        self.flash = [j for j, size in enumerate(sizes) if size > MATH_ROWS]
+        self.masks = {j: forward.visibility(segments[j].pos, segments[j].keys[0].shape[1]) for j in self.flash}
+        groups: dict[int, list[int]] = {}
+        for j, size in enumerate(sizes):
+            if size <= MATH_ROWS:
+                groups.setdefault(segments[j].keys[0].shape[1], []).append(j)
+        # Per group: members, the packed row of each padded query slot, the visibility, and where its real rows go.
+        self.groups = []
+        for length, members in groups.items():
+            width = max(sizes[j] for j in members)
+            take, visible, keep, out = [], [], [], []
+            for b, j in enumerate(members):
+                padded = list(range(starts[j], starts[j] + sizes[j])) + [starts[j]] * (width - sizes[j])
+                take += padded
+                pos = segments[j].pos
+                visible.append(forward.visibility(torch.cat([pos, pos[:1].expand(width - sizes[j])]), length))
+                keep += range(b * width, b * width + sizes[j])
+                out += range(starts[j], starts[j] + sizes[j])
+            self.groups.append((members, width, torch.tensor(take), torch.stack(visible)[:, None],
+                                torch.tensor(keep), torch.tensor(out)))
+
+    def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Attention outputs [heads, n, D] for the pass's queries q [heads, n, D] at `layer` (padding rows 0)."""
+        fw = self.forward
+        if len(self.groups) == 1 and not self.flash and self.groups[0][1] * len(self.groups[0][0]) == self.n:
+            members, width, _, visible, _, _ = self.groups[0]  # the common case: nothing to gather or scatter
+            out = self._group(q.view(fw.heads, len(members), width, fw.head_dim).transpose(0, 1), members, visible, layer)
+            return out.transpose(0, 1).reshape(fw.heads, self.n, fw.head_dim)
+        att = q.new_zeros(fw.heads, self.n, fw.head_dim)
+        for members, width, take, visible, keep, out in self.groups:
+            queries = q[:, take].view(fw.heads, len(members), width, fw.head_dim).transpose(0, 1)
+            result = self._group(queries, members, visible, layer)
+            att[:, out] = result.transpose(0, 1).reshape(fw.heads, -1, fw.head_dim)[:, keep]
+        for j in self.flash:
+            segment, rows = self.segments[j], self.rows[j]
+            att[:, rows] = F.scaled_dot_product_attention(q[None, :, rows], segment.keys[layer][None],
+                                                          segment.values[layer][None], attn_mask=self.masks[j],
+                                                          enable_gqa=True)[0]
+        return att
+
+    def _group(self, queries: torch.Tensor, members: list[int], visible: torch.Tensor, layer: int) -> torch.Tensor:
+        segments = [self.segments[j] for j in members]
+        if len(segments) == 1:
+            keys, values = segments[0].keys[layer][None], segments[0].values[layer][None]
+        else:
+            keys = torch.stack([s.keys[layer] for s in segments])
+            values = torch.stack([s.values[layer] for s in segments])
+        return self.forward.attention(queries, keys, values, visible)
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()

@@ -17,8 +17,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher
 from specops.core.cost_model import measure_cost_model
@@ -158,6 +161,7 @@ class GenerationWorker:
         self._gate = FeedbackGate(feedback) if feedback is not None else None
         self._slots = slots
         self._window_s = window_s
+        self._cores = torch.get_num_threads()  # as the server was started (--threads); slots set theirs per job
         self._stop = threading.Event()
         self._boot = threading.Thread(target=self._start_slots, name="specops-warm-up", daemon=True)
         self._threads = [threading.Thread(target=self._run, name=f"specops-generation-{i}", daemon=True)
@@ -199,9 +203,12 @@ class GenerationWorker:
         if self._slots > 1 and model.generator.batchable:
             # Pass times up to a full batch's rows, so drafts shrink where rows stop being free (SmartSpec).
             sizes = tuple(sorted({1, 2, 4, 8, 16, self._slots * model.generator.config.static_width}))
-            cost = measure_cost_model(model.target.model, model.generator.fork(None).drafter, sizes=sizes)
             batcher = PassBatcher(llama_forward(model.target.model)[0], self._window_s,
-                                  on_batch=self._metrics.batch_size.observe, cost=cost)
+                                  on_batch=self._metrics.batch_size.observe, threads=self._cores)
+            drafter = model.generator.fork(None).drafter
+            # Timed on the pass thread, where the passes will run (the drafter too, on all cores there,
+            # while serving drafts on one: under load its steps take longer than this says).
+            batcher.cost = batcher.call(lambda: measure_cost_model(model.target.model, drafter, sizes=sizes))
         elif self._slots > 1:
             log.warning("The model's runtime cannot batch passes exactly (it needs the eager static runtime in "
                         "bfloat16: static_width > 0, compiled off): serving one request at a time.")
@@ -213,11 +220,14 @@ class GenerationWorker:
         forks = [model.generator.fork(batcher) for _ in range(self._slots)] if batcher is not None else [model.generator]
         return Serving(model, forks, batcher)
 
+    def _warmed(self, model: ServedModel) -> Serving:
+        warm_up(model)
+        return self._serving_of(model)
+
     def _start_slots(self) -> None:
         model = self._serving.model
         try:
-            warm_up(model)
-            self._serving = self._serving_of(model)
+            self._serving = self._warmed(model)
         except Exception as error:  # any failure here means the model cannot serve; /ready reports it
             log.exception("Warm-up of the model failed; the server will not become ready.")
             self.failure = f"warm-up failed: {error}"
@@ -227,10 +237,13 @@ class GenerationWorker:
             thread.start()
 
     def swap(self, model: ServedModel) -> None:
-        """Warm `model` up on this thread, then serve it from the next request on; generations already
-        running finish on the old model. Raises whatever the warm-up raised, and the old model keeps serving."""
-        warm_up(model)
-        serving = self._serving_of(model)
+        """Warm `model` up, then serve it from the next request on; generations already running finish on
+        the old model. Raises whatever the warm-up raised, and the old model keeps serving.
+
+        The warm-up runs on a thread of its own that then ends: a long-lived thread (the caller's) that
+        once ran parallel ops keeps an OpenMP team, which slows every pass after (specops.core.batching)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="specops-warm-up") as pool:
+            serving = pool.submit(self._warmed, model).result()
         with self._idle:
             self._serving = serving
             self._idle.notify_all()
@@ -244,6 +257,9 @@ class GenerationWorker:
             if taken is None:
                 continue
             serving, generator, job = taken
+            # Batched, the passes run on the batcher's thread with every core; this thread's own ops
+            # (drafting, verification) take one, so it holds no OpenMP team of its own (specops.core.batching).
+            torch.set_num_threads(1 if serving.batcher is not None else self._cores)
             self._metrics.active.inc()
             try:
                 self._serve(job, serving.model, generator)

@@ -13,7 +13,7 @@ import torch
 from specops.core.batching import PassBatcher
 from specops.core.cost_model import CostModel
 from specops.core.kv import StaticLM
-from specops.core.llama import Segment, llama_forward
+from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.loop import SpeculativeGenerator
 from specops.core.policies import batch_draft_length
 from specops.core.target import target_from_model
@@ -24,6 +24,7 @@ from tests.conftest import tiny_llama, tiny_tokenizer
 
 WIDTH = 5  # the serving default; fp32 products happen to be invariant at multiples of 4 rows
 PROMPTS = [[5, 17, 33, 17, 33, 40, 17, 33], list(range(10, 40)), [7, 7, 7, 7], list(range(50, 60)) * 6]
+TOKENS = [[3, 4, 5, 6], [7], [8, 9]]  # a pass's real rows for three sequences
 
 
 def segment(lm: StaticLM, tokens: list[int]) -> Segment:
@@ -32,20 +33,24 @@ def segment(lm: StaticLM, tokens: list[int]) -> Segment:
 
 
 def packed_rows_equal_alone(model) -> bool:
-    """Three sequences at different lengths: their rows in one packed pass vs each in a pass of its own."""
+    """Three sequences at different lengths, two of one cache length and one of another: their real rows
+    packed in one pass (4, 1 and 2 rows: EMS-SD's packing) vs each in a `WIDTH`-row pass of its own."""
     forward = llama_forward(model)[0]
     alone, packed = [], []
-    for prompt in PROMPTS[:3]:
+    for prompt, length in zip(PROMPTS[:3], (128, 128, 192), strict=True):
         pair = []
         for _ in range(2):
-            lm = StaticLM(model, WIDTH, 128)
+            lm = StaticLM(model, WIDTH, length)
             lm.prefill(prompt)
             pair.append(lm)
         alone.append(pair[0])
         packed.append(pair[1])
     with torch.inference_mode():
-        single = [forward.forward_many([segment(lm, [3, 4, 5, 6])])[0][0] for lm in alone]
-        many = [logits for logits, _ in forward.forward_many([segment(lm, [3, 4, 5, 6]) for lm in packed])]
+        single = [forward.forward_many([segment(lm, tokens)])[0][0][: len(tokens)]
+                  for lm, tokens in zip(alone, TOKENS, strict=True)]
+        many = [logits for logits, _ in forward.forward_many([
+            Segment(torch.tensor(tokens), torch.arange(lm.length, lm.length + len(tokens)), lm.keys, lm.values, *lm.tables)
+            for lm, tokens in zip(packed, TOKENS, strict=True)])]
     return all(torch.equal(a, b) for a, b in zip(single, many, strict=True))
 
 
@@ -146,14 +151,15 @@ def lone_rows_equal_packed(model) -> bool:
     return torch.equal(alone, packed)
 
 
-def wide_mlp_model():
-    """SmolLM2's MLP width (1536), where a one-row bf16 product takes another kernel on this CPU."""
+def wide_mlp_model(dtype: torch.dtype = torch.bfloat16):
+    """SmolLM2's MLP width (1536), where a one-row bf16 product takes another kernel on this CPU, and its
+    attention heads (9 query heads, 3 key/value heads of 64 dimensions)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return LlamaForCausalLM(config).to(dtype).eval()
 
 
 def test_a_lone_row_is_padded_so_it_rounds_as_in_a_batch():
@@ -162,3 +168,79 @@ def test_a_lone_row_is_padded_so_it_rounds_as_in_a_batch():
     is why every pass is padded to MIN_ROWS instead of relying on it."""
     assert lone_rows_equal_packed(wide_mlp_model())
 
+
+
+def attention_rows_invariant(dtype: torch.dtype) -> bool:
+    """LlamaForward.attention at SmolLM2's head shapes: every query row computed alone (one row, one
+    sequence) vs among 2 to 8 query rows and in a batch of three sequences, over caches of 64 to 1024 keys."""
+    forward = llama_forward(wide_mlp_model(dtype))[0]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for length in (64, 192, 1024):
+            q = torch.randn(3, 9, 8, 64, dtype=dtype)
+            keys, values = torch.randn(3, 3, length, 64, dtype=dtype), torch.randn(3, 3, length, 64, dtype=dtype)
+            pos = torch.arange(length - 12, length - 4)
+            visible = forward.visibility(pos, length)[None, None].expand(3, 1, 8, length)
+            for b in range(3):
+                alone = [forward.attention(q[b:b + 1, :, r:r + 1], keys[b:b + 1], values[b:b + 1],
+                                           visible[b:b + 1, :, r:r + 1])[0, :, 0] for r in range(8)]
+                for width in (2, 3, 5, 8):
+                    rows = forward.attention(q[:, :, :width], keys, values, visible[:, :, :width])[b]
+                    if not all(torch.equal(rows[:, r], alone[r]) for r in range(width)):
+                        return False
+    return True
+
+
+def test_bf16_attention_rows_do_not_change_with_the_query_count_or_the_batch():
+    assert attention_rows_invariant(torch.bfloat16)
+
+
+def test_fp32_attention_rows_change_at_two_threads():
+    """Must-fail control: fp32 products of other shapes take other MKL kernels, so the same check fails."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not attention_rows_invariant(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_attention_is_softmax_attention():
+    """Against a float64 reference written out per head: grouped query heads read their own key/value head."""
+    forward = llama_forward(wide_mlp_model(torch.float32))[0]
+    torch.manual_seed(1)
+    q, keys, values = torch.randn(2, 9, 3, 64), torch.randn(2, 3, 40, 64), torch.randn(2, 3, 40, 64)
+    visible = forward.visibility(torch.tensor([20, 21, 22]), 40)[None, None].expand(2, 1, 3, 40)
+    got = forward.attention(q, keys, values, visible)
+    for b in range(2):
+        for h in range(9):
+            k, v = keys[b, h // 3].double(), values[b, h // 3].double()
+            scores = (q[b, h].double() @ k.T) / 8.0
+            scores = scores.masked_fill(~visible[b, 0], float("-inf"))
+            assert torch.allclose(got[b, h].double(), torch.softmax(scores, -1) @ v, atol=1e-5)
+
+
+def test_every_pass_runs_on_the_pass_thread(monkeypatch):
+    """Prefills and batched passes alike run on the batcher's one thread (its OpenMP team is the only one)."""
+    threads: list[str] = []
+    original = LlamaForward.forward_many
+    monkeypatch.setattr(LlamaForward, "forward_many",
+                        lambda self, segments: threads.append(threading.current_thread().name) or original(self, segments))
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    batcher = PassBatcher(llama_forward(target.model)[0])
+    generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
+    generator.generate(PROMPTS[0], 8)
+    assert len(threads) > 2 and set(threads) == {"specops-passes"}
+
+
+def test_a_failed_pass_reaches_its_sequence_and_the_batcher_goes_on(monkeypatch):
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    batcher = PassBatcher(llama_forward(target.model)[0])
+    generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
+    expected = generator.generate(PROMPTS[1], 8).token_ids
+    original = LlamaForward.forward_many
+    monkeypatch.setattr(LlamaForward, "forward_many", lambda self, segments: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        generator.generate(PROMPTS[1], 8)
+    monkeypatch.setattr(LlamaForward, "forward_many", original)
+    assert generator.generate(PROMPTS[1], 8).token_ids == expected
