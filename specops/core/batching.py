@@ -119,10 +119,17 @@ class PassBatcher:
 
     def _submit(self, mine: _Pass) -> Any:
         with self._cond:
+            if threading.current_thread() is self._worker:
+                raise RuntimeError("A pass submitted from the pass thread would wait for itself.")
             self._pending.append(mine)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._loop, name="specops-passes", daemon=True)
-                self._worker.start()
+                worker = threading.Thread(target=self._loop, name="specops-passes", daemon=True)
+                try:
+                    worker.start()
+                except BaseException:
+                    self._pending.remove(mine)
+                    raise
+                self._worker = worker
             self._cond.notify_all()
             while not mine.done:
                 self._cond.wait()
@@ -132,10 +139,12 @@ class PassBatcher:
 
     def _loop(self) -> None:
         """The pass thread: runs whatever is due, or ends after IDLE_EXIT_S without work."""
-        torch.set_num_threads(self.threads)  # this thread's own OpenMP setting; generation threads set theirs
         with self._cond:
             idle_since = time.monotonic()
             try:
+                # This thread's OpenMP team size (torch also makes it the default of threads started later;
+                # the server's slots set theirs per request).
+                torch.set_num_threads(self.threads)
                 while True:
                     due, wait = self._due()
                     if due:

@@ -250,7 +250,7 @@ class StaticLM:
         the sequence brings `width` rows: with only its real rows (EMS-SD's packing), concurrent requests
         through the server changed a greedy request's logits now and then (tests/server/test_batching.py
         failed about one run in two on the tiny bf16 model, with the draft LM drafting on other threads),
-        which the same passes run on one thread never did; the cause was not found, so packing stays off."""
+        which the same passes in one process never did; the cause was not found, so packing stays off."""
         if not 0 < len(token_ids) <= self.width:
             raise ValueError(f"A static pass takes 1 to {self.width} tokens, got {len(token_ids)}.")
         logits = self._run(token_ids, self.width, None if self.batcher is not None else self.step)[: len(token_ids)]

@@ -32,8 +32,8 @@ from specops.core.types import MIN_ROWS
 # tables are built once per cache and cached keys can be moved to other positions (specops.core.kv).
 ROPE_TYPES = ("default", "linear", "llama3")
 # A sequence's rows in a pass up to this many attend through LlamaForward.attention (decoding and verification
-# passes); more (a prompt's prefill) through SDPA. Only the prefill crosses it, and plain and speculative
-# decoding share the prefill.
+# passes); more (a prompt's prefill) through SDPA. Plain and speculative decoding share the prefill; a static
+# width above this would put verification passes on SDPA too (static_width is far below it in practice).
 MATH_ROWS = 64
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
@@ -151,7 +151,7 @@ class LlamaForward(nn.Module):
 
     def forward_many(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over several sequences, each with its own cache: the products run over all their rows
-        at once (the weights are read once), attention runs per sequence over its own cache. A row's
+        at once (the weights are read once), attention per group of sequences with caches of one length. A row's
         result does not depend on the other segments as long as the products are batch-invariant over
         the row count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching)."""
         sizes = [segment.ids.shape[0] for segment in segments]
@@ -168,7 +168,7 @@ class LlamaForward(nn.Module):
         real = sum(sizes)
         n = max(real, min_rows)
         # Elementwise work (rotary, views) runs on all rows at once; only the cache writes, which go to each
-        # sequence's own cache, run per sequence, and attention per group of sequences (_Attention).
+        # sequence's own cache, run per sequence, and attention per group of sequences (_AttentionPlan).
         pad = [0] * (n - real)
         cos = torch.cat([segment.cos[segment.pos] for segment in segments] + [segments[0].cos[pad]])
         sin = torch.cat([segment.sin[segment.pos] for segment in segments] + [segments[0].sin[pad]])
@@ -195,13 +195,15 @@ class LlamaForward(nn.Module):
         return captured
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """transformers' eager Llama attention, op for op, over a batch of sequences with caches of one length:
+        """transformers' eager Llama attention over a batch of sequences with caches of one length:
         q [B, heads, W, D], keys and values [B, kv_heads, L, D], visible [B, 1, W, L] -> [B, heads, W, D].
 
-        The products in the model dtype, the softmax in float32. Each query row is a dot product over D and
-        a softmax and a product over the key axis, so a row comes out bitwise the same whatever the query
-        count W and the batch B (bf16 and fp32, checked on this CPU for SmolLM2's head shapes; SDPA's
-        flash kernel changes some rows with W, which is why packed passes do not use it)."""
+        The products in the model dtype, the softmax in float32, as transformers computes them (it repeats
+        the key heads and adds a mask; here query heads are folded into rows and masked keys set to -inf,
+        the same sums). Each query row is a dot product over D, a softmax and a product over the key axis,
+        and in bf16 a row comes out bitwise the same whatever the query count W and the batch B (checked on
+        this CPU for SmolLM2's head shapes; fp32 rows change with the shape, and so do some of SDPA's flash
+        kernel's rows with W)."""
         b, _, w, d = q.shape
         groups = self.heads // self.kv_heads
         # GQA by folding each kv head's query heads into rows, not by repeating the keys (a copy per pass).
@@ -229,10 +231,14 @@ class _AttentionPlan:
         groups: dict[int, list[int]] = {}
         for j, size in enumerate(sizes):
             if size <= MATH_ROWS:
-                groups.setdefault(segments[j].keys[0].shape[1], []).append(j)
+                # One segment (every compiled pass) is one group without reading its cache length: a length
+                # used as a key would specialise a compiled graph on it and recompile for every other length.
+                key = segments[j].keys[0].shape[1] if len(segments) > 1 else 0
+                groups.setdefault(key, []).append(j)
         # Per group: members, the packed row of each padded query slot, the visibility, and where its real rows go.
         self.groups = []
-        for length, members in groups.items():
+        for members in groups.values():
+            length = segments[members[0]].keys[0].shape[1]
             width = max(sizes[j] for j in members)
             take, visible, keep, out = [], [], [], []
             for b, j in enumerate(members):
@@ -244,12 +250,15 @@ class _AttentionPlan:
                 out += range(starts[j], starts[j] + sizes[j])
             self.groups.append((members, width, torch.tensor(take), torch.stack(visible)[:, None],
                                 torch.tensor(keep), torch.tensor(out)))
+        # The common case needs no gather or scatter: one group, every member `width` rows, no padding rows.
+        self.uniform = (not self.flash and len(self.groups) == 1 and sum(sizes) == n
+                        and all(size == self.groups[0][1] for size in sizes))
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention outputs [heads, n, D] for the pass's queries q [heads, n, D] at `layer` (padding rows 0)."""
         fw = self.forward
-        if len(self.groups) == 1 and not self.flash and self.groups[0][1] * len(self.groups[0][0]) == self.n:
-            members, width, _, visible, _, _ = self.groups[0]  # the common case: nothing to gather or scatter
+        if self.uniform:
+            members, width, _, visible, _, _ = self.groups[0]
             out = self._group(q.view(fw.heads, len(members), width, fw.head_dim).transpose(0, 1), members, visible, layer)
             return out.transpose(0, 1).reshape(fw.heads, self.n, fw.head_dim)
         att = q.new_zeros(fw.heads, self.n, fw.head_dim)

@@ -221,6 +221,7 @@ class GenerationWorker:
         return Serving(model, forks, batcher)
 
     def _warmed(self, model: ServedModel) -> Serving:
+        torch.set_num_threads(self._cores)  # a new thread starts with the last value any thread set (a slot's 1)
         warm_up(model)
         return self._serving_of(model)
 

@@ -195,7 +195,7 @@ def test_bf16_attention_rows_do_not_change_with_the_query_count_or_the_batch():
     assert attention_rows_invariant(torch.bfloat16)
 
 
-def test_fp32_attention_rows_change_at_two_threads():
+def test_fp32_attention_rows_change_with_the_shape():
     """Must-fail control: fp32 products of other shapes take other MKL kernels, so the same check fails."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -233,14 +233,61 @@ def test_every_pass_runs_on_the_pass_thread(monkeypatch):
     assert len(threads) > 2 and set(threads) == {"specops-passes"}
 
 
-def test_a_failed_pass_reaches_its_sequence_and_the_batcher_goes_on(monkeypatch):
+def test_a_failed_batch_reaches_every_sequence_in_it_and_the_pass_thread_goes_on(monkeypatch):
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
-    batcher = PassBatcher(llama_forward(target.model)[0])
-    generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
-    expected = generator.generate(PROMPTS[1], 8).token_ids
+    batcher = PassBatcher(llama_forward(target.model)[0], window_s=0.05)
+
+    def generate() -> list[int]:
+        generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
+        return generator.generate(PROMPTS[1], 8).token_ids
+
+    expected = generate()
+    thread = batcher._worker
     original = LlamaForward.forward_many
-    monkeypatch.setattr(LlamaForward, "forward_many", lambda self, segments: (_ for _ in ()).throw(RuntimeError("boom")))
-    with pytest.raises(RuntimeError, match="boom"):
-        generator.generate(PROMPTS[1], 8)
+
+    def fail_batches(self, segments):  # prefills (one segment of the prompt's rows) run; decoding passes fail
+        if len(segments) > 1 or segments[0].ids.shape[0] == WIDTH:
+            raise RuntimeError("boom")
+        return original(self, segments)
+
+    monkeypatch.setattr(LlamaForward, "forward_many", fail_batches)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            generate()
+        except RuntimeError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 3 and all(str(e) == "boom" for e in errors)
     monkeypatch.setattr(LlamaForward, "forward_many", original)
-    assert generator.generate(PROMPTS[1], 8).token_ids == expected
+    assert generate() == expected and batcher._worker is thread  # the same pass thread, still serving
+
+
+def test_one_compiled_graph_serves_every_cache_length():
+    """The static runtime marks the cache length dynamic: a pass must not read it as a Python value (a
+    dict key did, and every new length recompiled, which under max-autotune takes minutes)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=64)
+    forward = torch.compile(llama_forward(model)[0], backend=backend)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        for length in (64, 96, 128, 160):
+            keys, values = llama_forward(model)[0].new_cache(length)
+            tables = llama_forward(model)[0].tables(length)
+            for t in (*keys, *values):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for t in tables:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            forward(torch.tensor([1, 2, 3, 4, 5]), torch.arange(10, 15), keys, values, *tables)
+    assert len(graphs) == 1
