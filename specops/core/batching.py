@@ -57,12 +57,15 @@ def batch_invariant(dtype: torch.dtype) -> bool:
 @dataclass(eq=False)  # passes are compared by identity
 class _Pass:
     work: Segment | Callable[[], Any]  # a segment to batch, or a call to run alone on the pass thread
-    alone: bool = False
     thread: int = field(default_factory=threading.get_ident)  # the submitting sequence's
     result: Any = None
     error: BaseException | None = None
     done: bool = False
     queued: float = field(default_factory=time.monotonic)
+
+    @property
+    def alone(self) -> bool:
+        return not isinstance(self.work, Segment)
 
 
 class PassBatcher:
@@ -115,7 +118,7 @@ class PassBatcher:
 
     def call(self, work: Callable[[], Any]) -> Any:
         """`work()` run alone on the pass thread, between batches (a prompt's prefill, timing the target)."""
-        return self._submit(_Pass(work, alone=True))
+        return self._submit(_Pass(work))
 
     def _submit(self, mine: _Pass) -> Any:
         with self._cond:

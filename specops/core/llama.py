@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +214,17 @@ class LlamaForward(nn.Module):
         return torch.matmul(weights.view(b, self.kv_heads, groups * w, -1), values).view(b, self.heads, w, d)
 
 
+class _Group(NamedTuple):
+    """Sequences whose caches have one length, attending in one call."""
+
+    members: list[int]  # their indices among the pass's segments
+    width: int  # query rows per member: the widest member's
+    take: torch.Tensor  # [members * width] the pass row of each query slot (a member's first row pads it)
+    visible: torch.Tensor  # [members, 1, width, length]
+    keep: torch.Tensor  # the query slots holding real rows, in pass order
+    out: torch.Tensor  # the pass rows they fill
+
+
 class _AttentionPlan:
     """How one pass attends: sequences whose caches have the same length attend in one batched call
     (LlamaForward.attention, their queries padded to the group's widest), a long segment (a prefill) alone
@@ -235,8 +247,7 @@ class _AttentionPlan:
                 # used as a key would specialise a compiled graph on it and recompile for every other length.
                 key = segments[j].keys[0].shape[1] if len(segments) > 1 else 0
                 groups.setdefault(key, []).append(j)
-        # Per group: members, the packed row of each padded query slot, the visibility, and where its real rows go.
-        self.groups = []
+        self.groups: list[_Group] = []
         for members in groups.values():
             length = segments[members[0]].keys[0].shape[1]
             width = max(sizes[j] for j in members)
@@ -248,24 +259,24 @@ class _AttentionPlan:
                 visible.append(forward.visibility(torch.cat([pos, pos[:1].expand(width - sizes[j])]), length))
                 keep += range(b * width, b * width + sizes[j])
                 out += range(starts[j], starts[j] + sizes[j])
-            self.groups.append((members, width, torch.tensor(take), torch.stack(visible)[:, None],
-                                torch.tensor(keep), torch.tensor(out)))
+            self.groups.append(_Group(members, width, torch.tensor(take), torch.stack(visible)[:, None],
+                                      torch.tensor(keep), torch.tensor(out)))
         # The common case needs no gather or scatter: one group, every member `width` rows, no padding rows.
         self.uniform = (not self.flash and len(self.groups) == 1 and sum(sizes) == n
-                        and all(size == self.groups[0][1] for size in sizes))
+                        and all(size == self.groups[0].width for size in sizes))
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention outputs [heads, n, D] for the pass's queries q [heads, n, D] at `layer` (padding rows 0)."""
         fw = self.forward
         if self.uniform:
-            members, width, _, visible, _, _ = self.groups[0]
-            out = self._group(q.view(fw.heads, len(members), width, fw.head_dim).transpose(0, 1), members, visible, layer)
-            return out.transpose(0, 1).reshape(fw.heads, self.n, fw.head_dim)
+            group = self.groups[0]
+            queries = q.view(fw.heads, len(group.members), group.width, fw.head_dim).transpose(0, 1)
+            return self._group(queries, group, layer).transpose(0, 1).reshape(fw.heads, self.n, fw.head_dim)
         att = q.new_zeros(fw.heads, self.n, fw.head_dim)
-        for members, width, take, visible, keep, out in self.groups:
-            queries = q[:, take].view(fw.heads, len(members), width, fw.head_dim).transpose(0, 1)
-            result = self._group(queries, members, visible, layer)
-            att[:, out] = result.transpose(0, 1).reshape(fw.heads, -1, fw.head_dim)[:, keep]
+        for group in self.groups:
+            queries = q[:, group.take].view(fw.heads, len(group.members), group.width, fw.head_dim).transpose(0, 1)
+            result = self._group(queries, group, layer)
+            att[:, group.out] = result.transpose(0, 1).reshape(fw.heads, -1, fw.head_dim)[:, group.keep]
         for j in self.flash:
             segment, rows = self.segments[j], self.rows[j]
             att[:, rows] = F.scaled_dot_product_attention(q[None, :, rows], segment.keys[layer][None],
@@ -273,14 +284,14 @@ class _AttentionPlan:
                                                           enable_gqa=True)[0]
         return att
 
-    def _group(self, queries: torch.Tensor, members: list[int], visible: torch.Tensor, layer: int) -> torch.Tensor:
-        segments = [self.segments[j] for j in members]
+    def _group(self, queries: torch.Tensor, group: _Group, layer: int) -> torch.Tensor:
+        segments = [self.segments[j] for j in group.members]
         if len(segments) == 1:
             keys, values = segments[0].keys[layer][None], segments[0].values[layer][None]
         else:
             keys = torch.stack([s.keys[layer] for s in segments])
             values = torch.stack([s.values[layer] for s in segments])
-        return self.forward.attention(queries, keys, values, visible)
+        return self.forward.attention(queries, keys, values, group.visible)
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()
