@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from specops.core.batching import on_short_thread
 from specops.core.memory import parse_bytes
 from specops.core.planner import MemoryPlan
 from specops.core.target import Target, encode_prompt, load_target
@@ -487,11 +488,14 @@ def create_app(config: ServerConfig, model: ServedModel | None = None, target: T
     otherwise it is loaded as `config` says, with `target` instead of loading --target."""
     metrics = ServerMetrics()
     watcher = None
+    # Loading and planning run parallel torch work; on this thread (the event loop's, for good) it would
+    # leave an OpenMP team that slows every batched pass (specops.core.batching).
     if model is None:
-        model, watcher = load_model(config, metrics, target)
+        model, watcher = on_short_thread(lambda: load_model(config, metrics, target), "specops-load")
     plan = None
     if config.memory_budget is not None:  # refuses (MemoryBudgetError) when one request cannot fit
-        plan = memory_plan(config, model, parse_bytes(config.memory_budget))
+        served, budget = model, parse_bytes(config.memory_budget)
+        plan = on_short_thread(lambda: memory_plan(config, served, budget), "specops-load")
         model = planned(model, plan)
         log.warning(describe(plan))  # warning: `specops serve` logs at that level and the plan must show
     server = Server(config, model, metrics, watcher, plan)

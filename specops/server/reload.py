@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specops.core.batching import on_short_thread
 from specops.core.target import DEFAULT_TARGET, Target, load_target
 from specops.drafters.factory import build_drafter
 from specops.drafters.kinds import DecodingConfig
@@ -151,7 +152,8 @@ class RegistryWatcher:
         return str(self._client().get_model_version_by_alias(self.name, self.alias).version)
 
     def _install_version(self, version: str, install: Callable[[ServedModel], None], target: Target) -> Path:
-        model, folder = self._load(version, target)
+        # Not on this long-lived thread: one that ran parallel torch work slows every batched pass after.
+        model, folder = on_short_thread(lambda: self._load(version, target), "specops-reload")
         try:
             install(model)
         except BaseException:

@@ -17,13 +17,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher
+from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher, on_short_thread
 from specops.core.cost_model import measure_cost_model
 from specops.core.llama import llama_forward
 from specops.core.loop import GenerationRequestError, prompt_logprobs
@@ -243,8 +242,7 @@ class GenerationWorker:
 
         The warm-up runs on a thread of its own that then ends: a long-lived thread (the caller's) that
         once ran parallel ops keeps an OpenMP team, which slows every pass after (specops.core.batching)."""
-        with ThreadPoolExecutor(1, thread_name_prefix="specops-warm-up") as pool:
-            serving = pool.submit(self._warmed, model).result()
+        serving = on_short_thread(lambda: self._warmed(model), "specops-warm-up")
         with self._idle:
             self._serving = serving
             self._idle.notify_all()

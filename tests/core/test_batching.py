@@ -5,6 +5,9 @@ products change with the row count, changes rows."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -291,3 +294,33 @@ def test_one_compiled_graph_serves_every_cache_length():
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             forward(torch.tensor([1, 2, 3, 4, 5]), torch.arange(10, 15), keys, values, *tables)
     assert len(graphs) == 1
+
+
+TEAM_SCRIPT = """
+import os, time, torch
+from specops.core.batching import on_short_thread
+torch.set_num_threads(2)
+def threads(): return len(os.listdir('/proc/self/task'))
+def parallel(): return float((torch.ones(1 << 22) * 2).sum())  # large enough for a parallel region
+def settled():  # a finished team's workers exit a moment after its thread
+    deadline = time.monotonic() + 2
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return threads()
+before = threads()
+on_short_thread(parallel)
+after_short = settled()
+parallel()  # on this (the main) thread: its OpenMP team's worker stays for good
+print(before, after_short, settled())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_parallel_work_on_a_short_thread_leaves_no_openmp_team_behind():
+    """A thread's OpenMP team outlives its parallel ops; once teams outnumber the cores, every batched pass
+    paid libgomp's wake-ups (specops.core.batching). on_short_thread's team ends with its thread, while the
+    same work on a long-lived thread (the control) leaves a worker thread behind."""
+    out = subprocess.run([sys.executable, "-c", TEAM_SCRIPT], capture_output=True, text=True, check=True)
+    before, after_short, after_inline = map(int, out.stdout.split())
+    assert after_short == before
+    assert after_inline > before

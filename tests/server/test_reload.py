@@ -200,3 +200,29 @@ def test_router_dir_outside_the_bundle_is_refused(tmp_path, target, router_dir):
         bundle_model(outside, target)
     inside = make_bundle(tmp_path / "b2", "recycling", target.fingerprint, router_dir="router")
     assert bundle_model(inside, target).generator.config.router_dir == str((inside / "router").resolve())
+
+
+def test_models_load_on_threads_that_end(make_config, target, tmp_path, monkeypatch):
+    """Loading a model runs parallel torch work, and a thread that does so keeps an OpenMP team for good,
+    which slowed every batched pass after it 2x (specops.core.batching): neither the thread that builds the
+    app (the event loop's) nor the registry watcher loads a model itself."""
+    import threading
+
+    from specops.server import app
+
+    loaders: list[threading.Thread] = []
+
+    def recording(real):
+        def load(*args, **kwargs):
+            loaders.append(threading.current_thread())
+            return real(*args, **kwargs)
+        return load
+
+    monkeypatch.setattr(app, "bundle_model", recording(bundle_model))
+    bundle = make_bundle(tmp_path / "b", "recycling", target.fingerprint)
+    app.create_app(make_config(bundle=str(bundle)), target=target)
+    watcher = RegistryWatcher(f"models:/{MODEL}@{CHAMPION}", None, 0.0, ServerMetrics())
+    monkeypatch.setattr(watcher, "_load", recording(lambda version, target: (bundle_model(bundle, target), tmp_path)))
+    watcher._install_version("2", lambda model: None, target)
+    assert len(loaders) == 2
+    assert all(thread is not threading.current_thread() and not thread.is_alive() for thread in loaders)
