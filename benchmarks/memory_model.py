@@ -98,7 +98,6 @@ def run_child(case: Case, draft_model: str | None) -> dict[str, Any]:
     """One configuration in this process: load, reset the peak, generate `batch` requests at once."""
     import specops.server.app  # noqa: F401
     from specops.core.batching import PassBatcher
-    from specops.core.llama import llama_forward
     from specops.core.target import load_target
     from specops.drafters.factory import build_drafter
     from specops.drafters.kinds import DecodingConfig
@@ -119,7 +118,7 @@ def run_child(case: Case, draft_model: str | None) -> dict[str, Any]:
     if case.batch > 1:
         if not generator.batchable:
             raise ValueError(f"{case.name}: only the bf16 static runtime decodes several requests at once.")
-        batcher = PassBatcher(llama_forward(target.model)[0], window_s=0.002)
+        batcher = PassBatcher(target.model, window_s=0.002)
         forks = [generator.fork(batcher) for _ in range(case.batch)]
     else:
         forks = [generator]

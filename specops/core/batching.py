@@ -4,18 +4,23 @@ Each generation runs its own loop on its own thread (drafting, verification rule
 and hands its target passes to a `PassBatcher`. The batcher's pass thread collects the passes that
 arrive together and runs them as one `LlamaForward.forward_many`: the matrix products read the
 weights once for every sequence's rows, and sequences whose caches have the same length attend in one
-call. Requests join and leave between passes; each sequence keeps its own positions, cache length and
-static width, so no sequence is padded to another's length (EMS-SD's aim, arXiv 2405.07542; its other
-half, only the real rows in the pass, is off: see specops.core.kv.StaticLM.forward).
+call. Requests join and leave between passes; each sequence keeps its own positions and cache length
+and brings only its real rows (the last committed token and its draft), so no sequence is padded to
+another's length or width (EMS-SD, arXiv 2405.07542: its point is batching requests that accept
+different numbers of tokens without padding tokens; see specops.core.kv.StaticLM.forward).
 
 Exactness: a row's logits are bitwise the same alone or in any batch when neither the products nor
 attention change a row with the pass's shape. bf16 `F.linear` agreed over 2 to 96 rows for every
 SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel, hence `types.MIN_ROWS`);
 `LlamaForward.attention` agrees over query counts and batch sizes (SDPA's flash kernel did not: it
-changed rows with the query count on the real target). fp32 products are not invariant (MKL picks
-other kernels for other row counts at 2 threads), so `batch_invariant` refuses fp32 targets and a
-server then runs one generation at a time. tests/core/test_batching.py checks this on small models;
-benchmarks/load_test.py on the real target.
+changed rows with the query count on the real target). Both hold only while every product runs on
+oneDNN: torch sends a CPU matmul there when batch x m x n x k exceeds 16**3 and sums smaller ones
+another way, so a model whose attention for one sequence and one row falls under that size rounds now
+and then differently alone than beside others (`batch_invariant` refuses it; found on a 64-wide test
+model, whose one-sequence attention products are 16**3 exactly). fp32 products are not invariant (MKL
+picks other kernels for other row counts at 2 threads), so `batch_invariant` refuses fp32 targets too
+and a server then runs one generation at a time. tests/core/test_batching.py checks this on small
+models; benchmarks/load_test.py on the real target.
 
 One pass thread runs every pass (prefills too, each as a pass of its own), with all the intra-op
 threads; the generation threads run theirs (drafting, verification) on one. With OpenMP, every Python
@@ -47,10 +52,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from transformers import PreTrainedModel
 
 from specops.core.cost_model import CostModel
-from specops.core.llama import LlamaForward, Segment
+from specops.core.llama import Segment, llama_forward
 from specops.core.policies import batch_draft_length
+from specops.core.types import MIN_ROWS, STATIC_BUCKET
 
 DEFAULT_WINDOW_S = 0.002  # how long a pass waits for the other sequences' passes before running without them
 IDLE_EXIT_S = 5.0  # the pass thread ends after this long without work (a swapped-out model's batcher goes quiet)
@@ -71,9 +78,21 @@ def on_short_thread(work: Callable[[], T], name: str = "specops-setup") -> T:
         return pool.submit(run).result()
 
 
-def batch_invariant(dtype: torch.dtype) -> bool:
-    """Whether passes of this dtype may share a batch without changing any row (see the module docstring)."""
-    return dtype == torch.bfloat16
+# torch's CPU matmuls run on oneDNN only above this many multiply-adds (batch x m x n x k; `checksize` in
+# aten/src/ATen/native/mkldnn/Matmul.cpp); smaller ones take a kernel that sums in another order.
+ONEDNN_MIN_WORK = 16**3
+
+
+def batch_invariant(model: PreTrainedModel) -> bool:
+    """Whether passes of this model may share a batch without changing any row (see the module docstring):
+    bf16, and its smallest products large enough for oneDNN. The smallest are one sequence's attention at
+    one query row over the shortest static cache (every query head x STATIC_BUCKET keys x head_dim), and
+    the output projection over MIN_ROWS rows."""
+    config = model.config
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)  # query heads x head_dim
+    smallest = min(width * STATIC_BUCKET, MIN_ROWS * config.hidden_size * width)
+    return model.dtype == torch.bfloat16 and smallest > ONEDNN_MIN_WORK
 
 
 @dataclass(eq=False)  # passes are compared by identity
@@ -93,15 +112,16 @@ class _Pass:
 class PassBatcher:
     """Batches the passes of the sequences registered with it on one pass thread (one batcher per target)."""
 
-    def __init__(self, forward: LlamaForward, window_s: float = DEFAULT_WINDOW_S,
+    def __init__(self, model: PreTrainedModel, window_s: float = DEFAULT_WINDOW_S,
                  on_batch: Callable[[int], None] | None = None, cost: CostModel | None = None,
                  threads: int | None = None) -> None:
         """`cost` (the target's pass times by rows, the drafter's per token) lets each sequence shrink its
         draft as the batch grows (`draft_cap`); without it drafts keep their policy's length. `threads`:
         the pass thread's intra-op threads (default: every core)."""
-        if not batch_invariant(forward.dtype):
-            raise ValueError(f"Batched passes are bitwise exact in bfloat16 only; this target is {forward.dtype}.")
-        self.forward = forward
+        if not batch_invariant(model):
+            raise ValueError(f"Batched passes are bitwise exact only in bfloat16 and for models whose products all "
+                             f"run on oneDNN; this target is {model.dtype} (see specops.core.batching).")
+        self.forward = llama_forward(model)[0]  # the eager forward its sequences' StaticLMs run
         self.window_s = window_s
         self.on_batch = on_batch  # called with each batch's size (metrics)
         self.cost = cost

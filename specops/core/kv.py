@@ -246,14 +246,15 @@ class StaticLM:
             self._run(token_ids, len(token_ids), self.eager)
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
-        """Append up to `width` tokens in one `width`-row pass; logits [n, V] for each of them. Batched too,
-        the sequence brings `width` rows: with only its real rows (EMS-SD's packing), concurrent requests
-        through the server changed a greedy request's logits now and then (tests/server/test_batching.py
-        failed about one run in two on the tiny bf16 model, with the draft LM drafting on other threads),
-        which the same passes in one process never did; the cause was not found, so packing stays off."""
+        """Append up to `width` tokens; logits [n, V] for each of them. Alone, the pass is `width` rows wide
+        (real tokens first); batched, the sequence brings only its n real rows (EMS-SD's packing), since
+        batched passes are exact only where a row does not depend on the pass's shape at all
+        (specops.core.batching), so its own row count does not matter either."""
         if not 0 < len(token_ids) <= self.width:
             raise ValueError(f"A static pass takes 1 to {self.width} tokens, got {len(token_ids)}.")
-        logits = self._run(token_ids, self.width, None if self.batcher is not None else self.step)[: len(token_ids)]
+        batched = self.batcher is not None
+        logits = self._run(token_ids, len(token_ids) if batched else self.width, None if batched else self.step)
+        logits = logits[: len(token_ids)]
         if self.features is not None:
             self.features = self.features[: len(token_ids)]
         return logits

@@ -14,7 +14,6 @@ import logging
 import os
 from dataclasses import replace
 
-from specops.core.batching import batch_invariant
 from specops.core.cost_model import measure_cost_model
 from specops.core.memory import DecodingShape, ModelShape
 from specops.core.planner import MemoryPlan, PlanSpace, plan_memory, require_one_request
@@ -34,10 +33,9 @@ def plan_space(config: ServerConfig, generator: TextGenerator) -> PlanSpace:
     tree = 0
     if generator.drafter is not None and getattr(generator.drafter, "tree_nodes", 0):
         tree = generator.drafter.tree_nodes
-    batchable = bool(decoding.static_width) and not decoding.compiled and batch_invariant(generator.target.model.dtype)
     return PlanSpace(max_width=decoding.static_width,
                      max_draft_tokens=decoding.draft_tokens if generator.drafter is not None else 0,
-                     max_tree_nodes=tree, max_batch=config.max_batch, batchable=batchable,
+                     max_tree_nodes=tree, max_batch=config.max_batch, batchable=generator.batchable,
                      min_context=min(config.min_context, generator.target.max_context),
                      max_context=generator.target.max_context, acceptance=PRIOR_ACCEPTANCE,
                      cores=os.cpu_count() or 1, headroom=config.memory_headroom)

@@ -38,8 +38,8 @@ class TextGenerator:
     @property
     def batchable(self) -> bool:
         """Whether its generations may share batched target passes without changing a bit of their output:
-        the eager static runtime in bf16 (specops.core.batching)."""
-        return bool(self.config.static_width) and not self.config.compiled and batch_invariant(self.target.model.dtype)
+        the eager static runtime in bf16, on a model whose products all run on oneDNN (specops.core.batching)."""
+        return bool(self.config.static_width) and not self.config.compiled and batch_invariant(self.target.model)
 
     def fork(self, batcher: PassBatcher | None) -> TextGenerator:
         """A generator for one more concurrent generation: the same models, its own drafter and policy state

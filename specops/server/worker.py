@@ -24,7 +24,6 @@ import torch
 
 from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher, on_short_thread
 from specops.core.cost_model import measure_cost_model
-from specops.core.llama import llama_forward
 from specops.core.loop import GenerationRequestError, prompt_logprobs
 from specops.core.target import Target
 from specops.core.types import Generation, GenerationStats, SamplingParams, TokenLogprob
@@ -202,7 +201,7 @@ class GenerationWorker:
         if self._slots > 1 and model.generator.batchable:
             # Pass times up to a full batch's rows, so drafts shrink where rows stop being free (SmartSpec).
             sizes = tuple(sorted({1, 2, 4, 8, 16, self._slots * model.generator.config.static_width}))
-            batcher = PassBatcher(llama_forward(model.target.model)[0], self._window_s,
+            batcher = PassBatcher(model.target.model, self._window_s,
                                   on_batch=self._metrics.batch_size.observe, threads=self._cores)
             drafter = model.generator.fork(None).drafter
             # Timed on the pass thread, where the passes will run (the drafter too, on all cores there,
@@ -210,7 +209,8 @@ class GenerationWorker:
             batcher.cost = batcher.call(lambda: measure_cost_model(model.target.model, drafter, sizes=sizes))
         elif self._slots > 1:
             log.warning("The model's runtime cannot batch passes exactly (it needs the eager static runtime in "
-                        "bfloat16: static_width > 0, compiled off): serving one request at a time.")
+                        "bfloat16, static_width > 0 and compiled off, and a model large enough that every product "
+                        "runs on oneDNN: specops.core.batching): serving one request at a time.")
         drafter = model.generator.drafter
         if drafter is not None and drafter.remembers and self._gate is not None:
             past = self._gate.log.recent_outputs(drafter.remembers)

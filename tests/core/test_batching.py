@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from specops.core.batching import PassBatcher
+from specops.core.batching import PassBatcher, batch_invariant
 from specops.core.cost_model import CostModel
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, llama_forward
@@ -25,6 +25,7 @@ from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
 from tests.conftest import tiny_llama, tiny_tokenizer
 
+HIDDEN = 96  # a test model wide enough that every product runs on oneDNN (batch_invariant)
 WIDTH = 5  # the serving default; fp32 products happen to be invariant at multiples of 4 rows
 PROMPTS = [[5, 17, 33, 17, 33, 40, 17, 33], list(range(10, 40)), [7, 7, 7, 7], list(range(50, 60)) * 6]
 TOKENS = [[3, 4, 5, 6], [7], [8, 9]]  # a pass's real rows for three sequences
@@ -58,7 +59,7 @@ def packed_rows_equal_alone(model) -> bool:
 
 
 def test_packed_bf16_rows_are_bitwise_alone():
-    assert packed_rows_equal_alone(tiny_llama(0, hidden=64, dtype=torch.bfloat16))
+    assert packed_rows_equal_alone(tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16))
 
 
 def test_packed_fp32_rows_differ_at_two_threads():
@@ -71,13 +72,46 @@ def test_packed_fp32_rows_differ_at_two_threads():
 
 
 def test_fp32_targets_are_refused():
-    with pytest.raises(ValueError, match="bfloat16 only"):
-        PassBatcher(llama_forward(tiny_llama(0))[0])
+    with pytest.raises(ValueError, match="only in bfloat16"):
+        PassBatcher(tiny_llama(0, hidden=HIDDEN))
+
+
+def test_models_too_small_for_onednn_are_refused():
+    """A 64-wide model's attention for one sequence and one query row is 16**3 multiply-adds, where torch's
+    CPU matmul leaves oneDNN (the next test): it cannot batch exactly; 96 wide can."""
+    assert not batch_invariant(tiny_llama(0, hidden=64, dtype=torch.bfloat16))
+    assert batch_invariant(tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="oneDNN"):
+        PassBatcher(tiny_llama(0, hidden=64, dtype=torch.bfloat16))
+
+
+def batched_products_differ(head_dim: int, trials: int = 3000) -> bool:
+    """Attention weights [1, 2 kv heads, 2 rows, 64 keys] x values [.., 64, head_dim] in bf16, alone vs the
+    same in a batch of two: whether any of `trials` random draws (sharp softmax rows, masked tails, as in
+    decoding) rounds differently. At head_dim 16 one sequence's product is 16**3 multiply-adds."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(trials):
+        scores = torch.randn(1, 2, 2, 64, generator=generator) * 3
+        scores[..., 28:] = float("-inf")
+        weights = torch.softmax(scores, -1).bfloat16()
+        values = torch.randn(1, 2, 64, head_dim, generator=generator).bfloat16()
+        pair = torch.matmul(weights.expand(2, -1, -1, -1).contiguous(), values.expand(2, -1, -1, -1).contiguous())
+        if not torch.equal(torch.matmul(weights, values)[0], pair[0]):
+            return True
+    return False
+
+
+def test_products_at_onednn_size_or_below_round_differently_in_a_batch():
+    """Why batch_invariant checks sizes: at 16**3 multiply-adds a product alone takes another kernel than
+    the same product in a batch of two (which takes oneDNN), and now and then rounds differently; one
+    multiply-add more per output (head_dim 17) and both take oneDNN and agree."""
+    assert batched_products_differ(16)
+    assert not batched_products_differ(17)
 
 
 def test_a_batcher_runs_eager_passes_of_its_own_target():
-    model = tiny_llama(0, dtype=torch.bfloat16)
-    batcher = PassBatcher(llama_forward(tiny_llama(1, dtype=torch.bfloat16))[0])
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN)
+    batcher = PassBatcher(tiny_llama(1, dtype=torch.bfloat16, hidden=HIDDEN))
     with pytest.raises(ValueError, match="its own target"):
         StaticLM(model, WIDTH, 64, batcher=batcher)
 
@@ -86,10 +120,10 @@ CASES = [("greedy", SamplingParams()), ("coupled", SamplingParams(0.9, 0.95)), (
 
 
 def test_concurrent_generations_emit_what_they_emit_alone():
-    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
     draft = tiny_llama(1, layers=1, hidden=32, dtype=torch.bfloat16)
     sizes: list[int] = []
-    batcher = PassBatcher(llama_forward(target.model)[0], window_s=0.05, on_batch=sizes.append)
+    batcher = PassBatcher(target.model, window_s=0.05, on_batch=sizes.append)
     jobs = [(drafter, verifier, sampling, prompt, seed)
             for drafter in ("prompt-lookup", "draft-lm") for verifier, sampling in CASES
             for seed, prompt in enumerate(PROMPTS)]
@@ -229,16 +263,16 @@ def test_every_pass_runs_on_the_pass_thread(monkeypatch):
     original = LlamaForward.forward_many
     monkeypatch.setattr(LlamaForward, "forward_many",
                         lambda self, segments: threads.append(threading.current_thread().name) or original(self, segments))
-    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
-    batcher = PassBatcher(llama_forward(target.model)[0])
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
+    batcher = PassBatcher(target.model)
     generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
     generator.generate(PROMPTS[0], 8)
     assert len(threads) > 2 and set(threads) == {"specops-passes"}
 
 
 def test_a_failed_batch_reaches_every_sequence_in_it_and_the_pass_thread_goes_on(monkeypatch):
-    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "t")
-    batcher = PassBatcher(llama_forward(target.model)[0], window_s=0.05)
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
+    batcher = PassBatcher(target.model, window_s=0.05)
 
     def generate() -> list[int]:
         generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
@@ -249,7 +283,7 @@ def test_a_failed_batch_reaches_every_sequence_in_it_and_the_pass_thread_goes_on
     original = LlamaForward.forward_many
 
     def fail_batches(self, segments):  # prefills (one segment of the prompt's rows) run; decoding passes fail
-        if len(segments) > 1 or segments[0].ids.shape[0] == WIDTH:
+        if len(segments) > 1 or segments[0].ids.shape[0] <= WIDTH:
             raise RuntimeError("boom")
         return original(self, segments)
 
@@ -281,7 +315,7 @@ def test_one_compiled_graph_serves_every_cache_length():
         graphs.append(gm)
         return gm.forward
 
-    model = tiny_llama(0, dtype=torch.bfloat16, hidden=64)
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN)
     forward = torch.compile(llama_forward(model)[0], backend=backend)
     torch._dynamo.reset()
     with torch.inference_mode():

@@ -25,7 +25,7 @@ WIDTH = 5
 
 @pytest.fixture(scope="module")
 def bf16_target():
-    return target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=64), tiny_tokenizer(), "tiny-bf16")
+    return target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=96), tiny_tokenizer(), "tiny-bf16")
 
 
 def bf16_model(target, drafter: str) -> ServedModel:
