@@ -55,7 +55,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specops.core.cost_model import CostModel
-from specops.core.llama import Segment, llama_forward
+from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
 from specops.core.types import MIN_ROWS, STATIC_BUCKET
 
@@ -95,9 +95,18 @@ def batch_invariant(model: PreTrainedModel) -> bool:
     return model.dtype == torch.bfloat16 and smallest > ONEDNN_MIN_WORK
 
 
+def _invariant_forward(model: PreTrainedModel) -> LlamaForward:
+    if not batch_invariant(model):
+        raise ValueError(f"Batched passes are bitwise exact only in bfloat16 and for models whose products all "
+                         f"run on oneDNN; this model is {model.dtype} (see specops.core.batching).")
+    return llama_forward(model)[0]
+
+
 @dataclass(eq=False)  # passes are compared by identity
 class _Pass:
     work: Segment | Callable[[], Any]  # a segment to batch, or a call to run alone on the pass thread
+    forward: LlamaForward | None = None  # a segment's model (the target's or a draft's)
+    head: bool = True  # a segment's logits, or its final hidden states (a draft applies its own head)
     thread: int = field(default_factory=threading.get_ident)  # the submitting sequence's
     result: Any = None
     error: BaseException | None = None
@@ -118,10 +127,8 @@ class PassBatcher:
         """`cost` (the target's pass times by rows, the drafter's per token) lets each sequence shrink its
         draft as the batch grows (`draft_cap`); without it drafts keep their policy's length. `threads`:
         the pass thread's intra-op threads (default: every core)."""
-        if not batch_invariant(model):
-            raise ValueError(f"Batched passes are bitwise exact only in bfloat16 and for models whose products all "
-                             f"run on oneDNN; this target is {model.dtype} (see specops.core.batching).")
-        self.forward = llama_forward(model)[0]  # the eager forward its sequences' StaticLMs run
+        self.forward = _invariant_forward(model)  # the target's eager forward, which its sequences' StaticLMs run
+        self.batched_drafts = False  # whether a draft model's passes are batched here too (forward_of)
         self.window_s = window_s
         self.on_batch = on_batch  # called with each batch's size (metrics)
         self.cost = cost
@@ -147,16 +154,28 @@ class PassBatcher:
                 self._members.discard(me)
                 self._cond.notify_all()  # the waiting passes may now be the whole set
 
+    def forward_of(self, model: PreTrainedModel) -> LlamaForward:
+        """The eager forward of `model` (the target, or a draft LM whose passes are batched here too), once
+        checked that its rows do not depend on the batch: a sampled request's draft must not depend on what
+        else is running, or its output would not be reproducible."""
+        forward = _invariant_forward(model)
+        if forward is not self.forward:
+            self.batched_drafts = True
+        return forward
+
     def draft_cap(self, acceptance: float, max_tokens: int) -> int:
         """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies)."""
         if self.cost is None:
             return max_tokens
-        return batch_draft_length(acceptance, self.cost, max(1, len(self._members)), max_tokens, self.cores)
+        batch = max(1, len(self._members))
+        # Drafts on the generation threads share the cores; batched here, one draft pass serves every sequence.
+        return batch_draft_length(acceptance, self.cost, batch, max_tokens, batch if self.batched_drafts else self.cores)
 
-    def run(self, segment: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and layer outputs of `segment`'s rows, computed in a batch with whatever other
-        sequences' passes are waiting."""
-        return self._submit(_Pass(segment))
+    def run(self, segment: Segment, forward: LlamaForward | None = None, head: bool = True,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits (without `head`: the final hidden states) and layer outputs of `segment`'s rows through
+        `forward` (default: the target's), computed in a batch with whatever other passes are waiting."""
+        return self._submit(_Pass(segment, forward or self.forward, head))
 
     def call(self, work: Callable[[], Any]) -> Any:
         """`work()` run alone on the pass thread, between batches (a prompt's prefill, timing the target)."""
@@ -235,14 +254,20 @@ class PassBatcher:
         began = time.monotonic()
         try:
             with torch.inference_mode():
-                if batched:
-                    if self.on_batch is not None:
-                        self.on_batch(len(due))
-                    results = self.forward.forward_many([p.work for p in due])  # type: ignore[misc]
+                if batched:  # one pass per model (and head): the target's, and a draft LM's when batched here
+                    groups: dict[tuple[int, bool], list[_Pass]] = {}
+                    for p in due:
+                        groups.setdefault((id(p.forward), p.head), []).append(p)
+                    for members in groups.values():
+                        forward = members[0].forward
+                        assert forward is not None
+                        if self.on_batch is not None and forward is self.forward:
+                            self.on_batch(len(members))
+                        results = forward.forward_many([p.work for p in members], members[0].head)  # type: ignore[misc]
+                        for p, result in zip(members, results, strict=True):
+                            p.result = result
                 else:
-                    results = [due[0].work()]  # type: ignore[operator]
-            for p, result in zip(due, results, strict=True):
-                p.result = result
+                    due[0].result = due[0].work()  # type: ignore[operator]
         except BaseException as error:  # every waiting sequence gets it, not only one
             for p in due:
                 p.error = error

@@ -78,7 +78,8 @@ class Drafter(Protocol):
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
         """The target's runtime of this generation, after `reset` and the prompt's prefill. DEL drafts
         with the target's first layers and writes their keys and values into its static cache past the
-        committed tokens, where verification overwrites them; every other drafter ignores it."""
+        committed tokens, where verification overwrites them; a draft LM batches its passes on the static
+        runtime's batcher when it has one; other drafters ignore it."""
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from specops.core.llama import ROPE_TYPES, Segment, rotate
@@ -197,8 +196,10 @@ class StaticLM:
 
     def __init__(self, model: PreTrainedModel, width: int, max_length: int,
                  hidden_layers: list[int] | None = None, compiled: bool = False,
-                 batcher: PassBatcher | None = None) -> None:
-        """`batcher` runs the fixed-width passes batched with other sequences' (specops.core.batching)."""
+                 batcher: PassBatcher | None = None, head: bool = True) -> None:
+        """`batcher` runs the fixed-width passes batched with other sequences' (specops.core.batching).
+        Without `head`, `forward` returns the final hidden states instead of logits (a draft LM with a
+        reduced vocabulary applies its own head rows)."""
         from specops.core.llama import llama_forward
 
         if width < 1:
@@ -214,50 +215,62 @@ class StaticLM:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             for t in self.tables:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        if batcher is not None and (compiled or batcher.forward is not self.eager):
-            raise ValueError("A batcher runs the eager passes of its own target's forward.")
+        if batcher is not None:
+            if compiled:
+                raise ValueError("A batcher runs eager passes; compiled passes run alone.")
+            # The target's passes, or a draft LM's batched beside them (its own forward, checked there).
+            if (batcher.forward if head else batcher.forward_of(model)) is not self.eager:
+                raise ValueError("A batcher runs the eager passes of its own target's forward, or a draft's.")
         self.batcher = batcher
+        self.head = head
         self.features: torch.Tensor | None = None
         self.length = 0  # committed tokens in the cache; slots past it are stale
 
-    def _run(self, token_ids: list[int], rows: int, forward: nn.Module | None) -> torch.Tensor:
-        """One pass writing `token_ids` at slots length.. (padded to `rows` rows); logits [rows, V].
-        `forward` None: the batcher's."""
+    def _segment(self, token_ids: list[int], rows: int) -> Segment:
+        """`token_ids` at slots length.. (padded to `rows` rows), for one pass."""
         start = self.length
         if start + rows > self.max_length:
             raise ValueError(f"The static cache holds {self.max_length} tokens; a pass at {start} of {rows} "
                              "rows does not fit (size it with specops.core.types.static_cache_length).")
-        segment = Segment(torch.tensor(token_ids + [0] * (rows - len(token_ids))), torch.arange(start, start + rows),
-                          self.keys, self.values, *self.tables)
-        if forward is None:
-            assert self.batcher is not None
-            logits, layers = self.batcher.run(segment)
-        elif self.batcher is not None:  # the prefill: alone, but on the batcher's pass thread like every pass
-            logits, layers = self.batcher.call(lambda: forward(*segment.args()))
-        else:
-            logits, layers = forward(*segment.args())
-        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
-        self.length = start + len(token_ids)
-        return logits
+        return Segment(torch.tensor(token_ids + [0] * (rows - len(token_ids))), torch.arange(start, start + rows),
+                       self.keys, self.values, *self.tables)
 
-    def prefill(self, token_ids: list[int]) -> None:
-        """The prompt in one pass of its own length: plain and speculative decoding share it exactly."""
-        if token_ids:
-            self._run(token_ids, len(token_ids), self.eager)
+    def _advance(self, token_ids: list[int], layers: torch.Tensor) -> None:
+        """The pass over `token_ids` is done: they are committed, and their features kept when asked for."""
+        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
+        self.length += len(token_ids)
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor | None:
+        """The prompt in one pass of its own length, without the LM head (its logits are not needed): plain
+        and speculative decoding share it exactly. Batched, it runs alone on the batcher's pass thread.
+        Every layer's output [n, L, H] (None for no tokens)."""
+        if not token_ids:
+            return None
+        segment = self._segment(token_ids, len(token_ids))
+
+        def run() -> torch.Tensor:
+            return self.eager.prefill(*segment.args())
+
+        layers = run() if self.batcher is None else self.batcher.call(run)
+        self._advance(token_ids, layers)
+        return layers
 
     def forward(self, token_ids: list[int]) -> torch.Tensor:
-        """Append up to `width` tokens; logits [n, V] for each of them. Alone, the pass is `width` rows wide
-        (real tokens first); batched, the sequence brings only its n real rows (EMS-SD's packing), since
-        batched passes are exact only where a row does not depend on the pass's shape at all
-        (specops.core.batching), so its own row count does not matter either."""
+        """Append up to `width` tokens; logits [n, V] for each of them (without `head`: the final hidden states
+        [n, H]). Alone, the pass is `width` rows wide (real tokens first); batched, the sequence brings only
+        its n real rows (EMS-SD's packing), since batched passes are exact only where a row does not depend
+        on the pass's shape at all (specops.core.batching), so its own row count does not matter either."""
         if not 0 < len(token_ids) <= self.width:
             raise ValueError(f"A static pass takes 1 to {self.width} tokens, got {len(token_ids)}.")
-        batched = self.batcher is not None
-        logits = self._run(token_ids, len(token_ids) if batched else self.width, None if batched else self.step)
-        logits = logits[: len(token_ids)]
-        if self.features is not None:
-            self.features = self.features[: len(token_ids)]
-        return logits
+        if self.batcher is not None:
+            out, layers = self.batcher.run(self._segment(token_ids, len(token_ids)), self.eager, self.head)
+        elif self.head:
+            out, layers = self.step(*self._segment(token_ids, self.width).args())
+        else:
+            out, layers = self.eager.forward_many([self._segment(token_ids, self.width)], head=False)[0]
+        n = len(token_ids)
+        self._advance(token_ids, layers[:n])
+        return out[:n]
 
     def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
         raise ValueError("Tree drafts are not batch-invariant on the static runtime (their rows read ancestors "

@@ -141,6 +141,14 @@ class LlamaForward(nn.Module):
         its own. Writes their keys and values; returns logits [n, V] and every layer's output [n, L, H]."""
         return self.forward_many([Segment(ids, pos, keys, values, cos, sin)])[0]
 
+    def prefill(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`forward` without the LM head: every layer's output [n, L, H]. A prompt's logits are not needed
+        (decoding starts from its last token), and over its rows the head was a fifth of the work (SmolLM2:
+        49k x 576 of ~135M weights per row)."""
+        layers = self.decoder([Segment(ids, pos, keys, values, cos, sin)], self.num_layers, MIN_ROWS)
+        return torch.stack(layers, 1)[: ids.shape[0]]
+
     def early(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
               cos: torch.Tensor, sin: torch.Tensor, layers: int) -> torch.Tensor:
         """The first `layers` decoder layers only (DEL's self-drafting, specops.drafters.del_exit): tokens
@@ -150,17 +158,21 @@ class LlamaForward(nn.Module):
         every row it keeps), and no head runs."""
         return torch.stack(self.decoder([Segment(ids, pos, keys, values, cos, sin)], layers, min_rows=1), 1)
 
-    def forward_many(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_many(self, segments: list[Segment], head: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over several sequences, each with its own cache: the products run over all their rows
         at once (the weights are read once), attention per group of sequences with caches of one length. A row's
         result does not depend on the other segments as long as the products are batch-invariant over
-        the row count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching)."""
+        the row count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching).
+        Per segment: its logits, or without `head` the final norm's output (a draft applies its own head),
+        and every layer's output."""
         sizes = [segment.ids.shape[0] for segment in segments]
         real = sum(sizes)
         captured = self.decoder(segments, self.num_layers, MIN_ROWS)
-        logits = F.linear(rms_norm(captured[-1], self.norm, self.eps), self.head)
+        out = rms_norm(captured[-1], self.norm, self.eps)
+        if head:
+            out = F.linear(out, self.head)
         layers = torch.stack(captured, 1)
-        return list(zip(logits[:real].split(sizes), layers[:real].split(sizes), strict=True))
+        return list(zip(out[:real].split(sizes), layers[:real].split(sizes), strict=True))
 
     def decoder(self, segments: list[Segment], layers: int, min_rows: int) -> list[torch.Tensor]:
         """The first `layers` decoder layers over the segments' rows, padded to at least `min_rows` rows

@@ -165,13 +165,15 @@ def best_draft_length(acceptance: float, cost: CostModel, max_tokens: int) -> in
     return max(range(1, max_tokens + 1), key=lambda k: (expected_tokens(acceptance, k) / cost.step_time(k), -k))
 
 
-def batch_draft_length(acceptance: float, cost: CostModel, batch: int, max_tokens: int, cores: int) -> int:
+def batch_draft_length(acceptance: float, cost: CostModel, batch: int, max_tokens: int, parallel: int) -> int:
     """SmartSpec under load (arXiv 2406.14066): the draft length k in 0..max_tokens maximizing the batch's
     goodput when each of `batch` sequences drafts k tokens: batch * E[tokens | k] over one step's time,
-    the sequences' drafting (spread over `cores`) plus one batched target pass over batch * (k + 1) rows.
-    While passes are nearly free a long draft pays; once rows cost, k shrinks, down to 0 (no drafting)."""
+    the sequences' drafting (`parallel` of them at once: the cores when each drafts on its own thread, the
+    whole batch when one batched draft pass serves them all) plus one batched target pass over
+    batch * (k + 1) rows. While passes are nearly free a long draft pays; once rows cost, k shrinks, down
+    to 0 (no drafting)."""
     def goodput(k: int) -> float:
-        drafting = k * cost.draft_token_s * max(1.0, batch / cores)
+        drafting = k * cost.draft_token_s * max(1.0, batch / parallel)
         return batch * expected_tokens(acceptance, k) / (drafting + cost.verify_time(batch * (k + 1)))
 
     return max(range(max_tokens + 1), key=lambda k: (goodput(k), -k))

@@ -35,11 +35,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from specops.core.batching import PassBatcher, batch_invariant
 from specops.core.drafter import Draft, DrafterBase, TokenStop
-from specops.core.kv import CachedLM, rotary_frequencies
+from specops.core.kv import CachedLM, StaticLM, rotary_frequencies, storage_bytes
+from specops.core.llama import rms_norm
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.small_batch_linear import use_small_batch_linear
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, static_cache_length
 from specops.drafters.acceptance_head import AcceptanceHead
 from specops.drafters.dynamic_tree import Children, TreeNode, grow_nodes, select_best, top_children
 
@@ -47,6 +49,9 @@ VOCAB_FILE = "draft_vocab.safetensors"
 # A full draft window drops this fraction of its non-sink tokens beyond what the step needs: eviction (a
 # re-rotation and copy of the window's keys) then happens once every window/4 tokens or so, not every step.
 EVICT_FRACTION = 4
+# Most tokens a batched draft pass takes for one sequence (the last accepted tokens and the bonus token);
+# a longer feed runs alone, in one pass (BatchedDraftLM).
+DRAFT_PASS_ROWS = 8
 
 
 class VocabularyMismatchError(ValueError):
@@ -99,6 +104,47 @@ def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[
     return lambda hidden: vocab_logits(hidden, rows, vocab, head.weight.shape[0])
 
 
+class BatchedDraftLM:
+    """The draft model on the static runtime, its passes batched on the target's pass thread with every other
+    sequence's (specops.core.batching): one weight read and one pass's Python for all the sequences' draft
+    tokens, and no drafting on the generation threads, where it competed for the cores with the batched
+    target passes. The cache grows by reallocation as the sequence grows: a draft's rounding depends only on
+    its own sequence, so a sampled request still drafts the same alone and batched. Chains only, no window."""
+
+    ROOM = 256  # slots added beyond the need at each (re)allocation: the cache is rebuilt every ROOM tokens or so
+
+    def __init__(self, model: PreTrainedModel, batcher: PassBatcher, width: int) -> None:
+        self.model, self.batcher, self.width = model, batcher, width
+        self.static: StaticLM | None = None
+
+    @property
+    def length(self) -> int:
+        return self.static.length if self.static is not None else 0
+
+    def crop(self, length: int) -> None:
+        if self.static is not None:
+            self.static.crop(length)
+
+    def kv_bytes(self) -> int:
+        return storage_bytes([*self.static.keys, *self.static.values]) if self.static is not None else 0
+
+    def forward_final_hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """Append tokens; the final norm's output [n, H] at each. Up to `width` tokens run batched; a longer
+        feed (the prompt, or the tokens a suffix front drafted) runs alone, in one pass."""
+        need = self.length + len(token_ids) + self.width
+        if self.static is None or need > self.static.max_length:
+            grown = StaticLM(self.model, self.width, static_cache_length(need, self.ROOM, 0), batcher=self.batcher,
+                             head=False)
+            if self.static is not None:
+                grown.restore(self.static.snapshot())
+            self.static = grown
+        if len(token_ids) <= self.width:
+            return self.static.forward(token_ids)
+        layers = self.static.prefill(token_ids)
+        assert layers is not None
+        return rms_norm(layers[:, -1], self.static.eager.norm, self.static.eager.eps)
+
+
 class DraftLMDrafter(DrafterBase):
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, head: AcceptanceHead | None = None,
                  vocab: torch.Tensor | None = None, tree_nodes: int = 0, tree_top_k: int = 4,
@@ -138,12 +184,19 @@ class DraftLMDrafter(DrafterBase):
         return self.head is not None
 
     def reset(self) -> None:
-        self.lm = CachedLM(self.model)
+        self.lm: CachedLM | BatchedDraftLM = CachedLM(self.model)
         self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache, in cache order
         # Context tokens between the sinks and the window that the cache does not hold: cache slot i holds
         # context[i] below the sinks and context[i + skipped] from them on (always 0 without a window).
         self.skipped = 0
         self.peak_kv_bytes = 0
+
+    def share_runtime(self, lm: CachedLM | StaticLM) -> None:
+        """Batched with the target's passes when they are (a chain draft without a window, on a model whose
+        rows do not depend on the batch); otherwise the draft keeps its own dynamic cache on this thread."""
+        if (isinstance(lm, StaticLM) and lm.batcher is not None and not self.tree_nodes and not self.window
+                and batch_invariant(self.model)):
+            self.lm = BatchedDraftLM(self.model, lm.batcher, DRAFT_PASS_ROWS)
 
     def _sync(self, context: list[int]) -> list[int]:
         """Roll the cache back to the longest prefix shared with `context`; return the tokens to feed."""

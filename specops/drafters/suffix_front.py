@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 
 from specops.core.drafter import Draft, DrafterBase, TokenStop
+from specops.core.kv import CachedLM, StaticLM
 from specops.core.sampling import Randomness
 from specops.core.types import SamplingParams
 from specops.drafters.draft_lm import DraftLMDrafter
@@ -63,6 +64,9 @@ class SuffixFrontDrafter(DrafterBase):
         self.front.reset()
         self.back.reset()
         self.front_steps = self.back_steps = 0
+
+    def share_runtime(self, lm: CachedLM | StaticLM) -> None:
+        self.back.share_runtime(lm)  # the draft LM batches its passes with the target's when they are batched
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:

@@ -119,11 +119,20 @@ def test_a_batcher_runs_eager_passes_of_its_own_target():
 CASES = [("greedy", SamplingParams()), ("coupled", SamplingParams(0.9, 0.95)), ("rejection", SamplingParams(1.0))]
 
 
-def test_concurrent_generations_emit_what_they_emit_alone():
+def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch):
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
-    draft = tiny_llama(1, layers=1, hidden=32, dtype=torch.bfloat16)
+    draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)  # wide enough to batch its passes too
     sizes: list[int] = []
     batcher = PassBatcher(target.model, window_s=0.05, on_batch=sizes.append)
+    draft_batches: list[int] = []
+    original = LlamaForward.forward_many
+
+    def counting(self, segments, head=True):
+        if self is llama_forward(draft)[0]:
+            draft_batches.append(len(segments))
+        return original(self, segments, head)
+
+    monkeypatch.setattr(LlamaForward, "forward_many", counting)
     jobs = [(drafter, verifier, sampling, prompt, seed)
             for drafter in ("prompt-lookup", "draft-lm") for verifier, sampling in CASES
             for seed, prompt in enumerate(PROMPTS)]
@@ -148,7 +157,7 @@ def test_concurrent_generations_emit_what_they_emit_alone():
         thread.start()
     for thread in threads:
         thread.join()
-    assert max(sizes) > 1  # passes really were packed
+    assert max(sizes) > 1 and max(draft_batches) > 1  # target and draft passes really were batched
     assert together == alone
     assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
 
@@ -168,9 +177,9 @@ def test_drafts_shrink_as_the_batch_grows_down_to_none():
     cost = CostModel(draft_token_s=0.002, verify_s=((1, 0.020), (8, 0.022), (16, 0.026), (64, 0.080)))
     for batch in (1, 2, 4, 8, 16, 32):
         for acceptance in (0.3, 0.6, 0.9):
-            assert batch_draft_length(acceptance, cost, batch, 4, cores=2) == \
+            assert batch_draft_length(acceptance, cost, batch, 4, parallel=2) == \
                 brute_force_draft_length(acceptance, cost, batch, 4, cores=2)
-    lengths = [batch_draft_length(0.6, cost, batch, 4, cores=2) for batch in (1, 4, 16, 32)]
+    lengths = [batch_draft_length(0.6, cost, batch, 4, parallel=2) for batch in (1, 4, 16, 32)]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] >= 3 and lengths[-1] == 0
 
 
@@ -260,9 +269,9 @@ def test_the_attention_is_softmax_attention():
 def test_every_pass_runs_on_the_pass_thread(monkeypatch):
     """Prefills and batched passes alike run on the batcher's one thread (its OpenMP team is the only one)."""
     threads: list[str] = []
-    original = LlamaForward.forward_many
-    monkeypatch.setattr(LlamaForward, "forward_many",
-                        lambda self, segments: threads.append(threading.current_thread().name) or original(self, segments))
+    original = LlamaForward.decoder  # under prefills and batched passes alike
+    monkeypatch.setattr(LlamaForward, "decoder", lambda self, segments, layers, rows:
+                        threads.append(threading.current_thread().name) or original(self, segments, layers, rows))
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
     batcher = PassBatcher(target.model)
     generator = SpeculativeGenerator(target, PromptLookupDrafter(3), "greedy", 3, static_width=WIDTH, batcher=batcher)
@@ -282,10 +291,8 @@ def test_a_failed_batch_reaches_every_sequence_in_it_and_the_pass_thread_goes_on
     thread = batcher._worker
     original = LlamaForward.forward_many
 
-    def fail_batches(self, segments):  # prefills (one segment of the prompt's rows) run; decoding passes fail
-        if len(segments) > 1 or segments[0].ids.shape[0] <= WIDTH:
-            raise RuntimeError("boom")
-        return original(self, segments)
+    def fail_batches(self, segments, head=True):  # prefills (LlamaForward.prefill) run; decoding passes fail
+        raise RuntimeError("boom")
 
     monkeypatch.setattr(LlamaForward, "forward_many", fail_batches)
     errors: list[BaseException] = []

@@ -108,8 +108,8 @@ def test_other_architectures_are_refused_with_a_reason():
 
 def test_a_width_that_follows_the_tokens_differs_in_fp32(monkeypatch):
     """The shape must not change with the number of drafts: one row vs four rows round differently."""
-    original = StaticLM._run
-    monkeypatch.setattr(StaticLM, "_run", lambda self, ids, rows, forward: original(self, ids, len(ids), forward))
+    original = StaticLM._segment
+    monkeypatch.setattr(StaticLM, "_segment", lambda self, ids, rows: original(self, ids, len(ids)))
     assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
 
 

@@ -31,7 +31,7 @@ def bf16_target():
 def bf16_model(target, drafter: str) -> ServedModel:
     config = DecodingConfig(drafter=drafter, static_width=WIDTH, draft_tokens=WIDTH - 1)
     made = (PromptLookupDrafter(3) if drafter == "prompt-lookup"
-            else DraftLMDrafter(tiny_llama(1, layers=1, hidden=32, dtype=torch.bfloat16), target.vocab_size))
+            else DraftLMDrafter(tiny_llama(1, layers=1, hidden=96, dtype=torch.bfloat16), target.vocab_size))
     return ServedModel(TextGenerator(target, made, config), drafter=drafter)
 
 
