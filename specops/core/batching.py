@@ -23,7 +23,9 @@ and a server then runs one generation at a time. tests/core/test_batching.py che
 models; benchmarks/load_test.py on the real target.
 
 One pass thread runs every pass (prefills too, each as a pass of its own), with all the intra-op
-threads; the generation threads run theirs (drafting, verification) on one. With OpenMP, every Python
+threads; the generation threads run theirs (verification, streaming, model-free drafting) on one. A draft
+LM's passes can join (`forward_of`, specops.drafters.draft_lm.BatchedDraftLM): each batch then runs one
+pass per model, the target's and the draft's. With OpenMP, every Python
 thread that runs a parallel op owns a team of worker threads, and once they outnumber the cores libgomp
 stops spinning between parallel regions, so each op paid a wake-up: a batched pass took 50-60 ms on a
 generation thread against 23 ms on the main thread (SmolLM2 bf16, 8 sequences, 2 cores).

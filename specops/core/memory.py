@@ -8,11 +8,11 @@ config's attributes) and the decoding settings, after reading what the runtime a
     float32 dynamic runtime's SmallBatchLinear keeps a transposed copy of every linear weight it runs
     on one row (specops.core.small_batch_linear), the tied LM head included;
   * the target's KV cache per request: the static runtime allocates layers x 2 x kv_heads x slots x
-    head_dim at the start of a generation, slots = specops.core.types.static_cache_length (rounded to STATIC_BUCKET), plus
+    head_dim at the start of a generation, slots = specops.core.types.static_cache_length (rounded up by half octaves), plus
     its rotary tables; the dynamic cache grows to the tokens held;
   * the draft LM's weights (shared by every generation slot) and its dynamic KV cache per request;
-  * the buffers of one pass: the lean forward returns logits for every row and keeps every layer's output
-    (`captured`, then stacked: two copies), so a prefill chunk of n rows holds n x V logits and
+  * the buffers of one pass: the lean forward keeps every layer's output (`captured`, then stacked: two
+    copies) and returns logits for every row of a decoding pass (a prefill runs without the head), so
     2 x n x L x H activations; a verification pass of `width` rows the same at its width; sampled
     verification makes float32 probabilities of every row and sorts them for top-p (specops.core.sampling);
   * tree buffers on the dynamic runtime: the tree's rows of logits and its additive mask;
@@ -217,19 +217,19 @@ class MemoryReport:
         return out
 
 
-def _pass_bytes(shape: ModelShape, rows: int, keys: int, dtype_bytes: int, all_logits: bool) -> int:
+def _pass_bytes(shape: ModelShape, rows: int, keys: int, dtype_bytes: int, lean: bool, head: bool = True) -> int:
     """Live buffers at the peak of one forward over `rows` tokens attending to `keys` positions.
 
-    The lean forward (all_logits) ends with logits [rows, V], every layer's output kept and then stacked
-    [rows, L, H] twice, the final norm's float32 statistics [rows, H]. The HF forward (prefill with
-    logits_to_keep=1) peaks inside a layer instead: the MLP's gate, up and their product [rows, I] and
-    SDPA's float32 scores [heads, rows, keys]."""
+    The lean forward keeps every layer's output and then stacks it [rows, L, H] (twice) and, with its
+    `head` (not in a prefill), ends with logits [rows, V] and the final norm's float32 statistics [rows, H].
+    The HF forward (prefill with logits_to_keep=1) peaks inside a layer instead: the MLP's gate, up and
+    their product [rows, I] and SDPA's float32 scores [heads, rows, keys]."""
     rows = max(rows, MIN_ROWS)
     scores = shape.heads * rows * keys * 4
     mlp = 3 * rows * shape.intermediate * dtype_bytes
-    if all_logits:
-        return rows * shape.vocab * dtype_bytes + 2 * rows * shape.layers * shape.hidden * dtype_bytes \
-            + rows * shape.hidden * 4 + max(scores, mlp)
+    if lean:
+        logits = rows * shape.vocab * dtype_bytes + rows * shape.hidden * 4 if head else 0
+        return logits + 2 * rows * shape.layers * shape.hidden * dtype_bytes + max(scores, mlp)
     return shape.vocab * dtype_bytes + scores + mlp
 
 
@@ -257,8 +257,8 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
     slots = static_cache_length(decoding.context, 0, decoding.static_width) if static else tokens
     chunk = min(decoding.prefill_chunk or decoding.context, decoding.context)
     rows = decoding.pass_rows
-    verification = _pass_bytes(target, rows, slots, b, all_logits=static) if static else \
-        rows * target.vocab * b + _pass_bytes(target, rows, slots, b, all_logits=False)
+    verification = _pass_bytes(target, rows, slots, b, lean=static) if static else \
+        rows * target.vocab * b + _pass_bytes(target, rows, slots, b, lean=False)
     if decoding.sampled:
         verification += _sampled_bytes(rows, target.vocab) + decoding.draft_tokens * target.vocab * 4
     tree = 0
@@ -268,7 +268,7 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
         target_kv=target.kv_bytes(slots, b),
         rotary=2 * slots * target.head_dim * b if static else 0,
         draft_kv=draft.kv_bytes(min(tokens, decoding.draft_window or tokens), b) if draft is not None else 0,
-        prefill=_pass_bytes(target, chunk, slots, b, all_logits=static),
+        prefill=_pass_bytes(target, chunk, slots, b, lean=static, head=False),
         verification=verification,
         tree=tree)
     return MemoryReport(weights, draft_weights, request, decoding.concurrency,
