@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     # dtype answer alike whatever their drafter, width or batch (true only if passes are shape-invariant).
     report["same_texts_across_servers"] = {
         str(c): all(texts[name][c] == texts[names[0]][c] for name in names) for c in args.concurrency}
+    report["text_differences"] = {  # each request on which servers disagreed, with every server's text
+        str(c): [{"request": i, **{name: texts[name][c][i] for name in names}} for i in range(len(texts[names[0]][c]))
+                 if len({texts[name][c][i] for name in names}) > 1] for c in args.concurrency}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -36,13 +36,13 @@ def long_prompt(tokens: int, seed: int = 0) -> list[int]:
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_a_long_prompt_is_bitwise_plain_decoding_with_every_draft(dtype):
-    """1,500 prompt tokens in 6 chunks, a static cache of 1,536 slots, drafts with a window of 48 (positions
+    """1,500 prompt tokens in 6 chunks, a static cache of 1,600 slots, drafts with a window of 48 (positions
     far below the prompt's) and a full draft (positions past 1,500)."""
     model = tiny_llama(0, dtype=DTYPES[dtype], hidden=64, max_positions=2048)
     target = target_from_model(model, tiny_tokenizer(), "t")
     draft = tiny_llama(1, layers=1, hidden=32, dtype=DTYPES[dtype], max_positions=2048)
     prompt = long_prompt(1500)
-    assert static_cache_length(len(prompt), NEW, WIDTH) == 1536
+    assert static_cache_length(len(prompt), NEW, WIDTH) == 1600
     plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH, prefill_chunk=CHUNK)
     expected = plain.generate(prompt, NEW).token_ids
     drafters = {"draft-lm": DraftLMDrafter(draft, target.vocab_size),
