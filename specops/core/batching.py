@@ -24,7 +24,7 @@ models; benchmarks/load_test.py on the real target.
 
 One pass thread runs every pass (prefills too, each as a pass of its own), with all the intra-op
 threads; the generation threads run theirs (verification, streaming, model-free drafting) on one. A draft
-LM's passes can join (`forward_of`, specops.drafters.draft_lm.BatchedDraftLM): each batch then runs one
+LM's passes can join (`forward_of`, specops.drafters.draft_lm.StaticDraftLM): each batch then runs one
 pass per model, the target's and the draft's. With OpenMP, every Python
 thread that runs a parallel op owns a team of worker threads, and once they outnumber the cores libgomp
 stops spinning between parallel regions, so each op paid a wake-up: a batched pass took 50-60 ms on a
@@ -166,7 +166,9 @@ class PassBatcher:
         return forward
 
     def draft_cap(self, acceptance: float, max_tokens: int) -> int:
-        """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies)."""
+        """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies).
+        Drafting costs one batched draft pass a token once a draft LM batches here (a server's slots all
+        draft alike), else each sequence's own drafting shares the cores."""
         if self.cost is None:
             return max_tokens
         batch = max(1, len(self._members))

@@ -178,12 +178,13 @@ class CachedLM:
 
 
 class StaticLM:
-    """The target on a static KV cache, every pass after the prefill exactly `width` rows wide.
+    """The target on a static KV cache, every pass after the prefill exactly `width` rows wide (batched
+    with other sequences', only its real rows: see `forward`).
 
     Batch invariance (docs/architecture.md): a row's logits must not depend on how many other rows
     share its pass or where it sits in it, or speculative output would round differently from plain
-    decoding (bf16 above all). Kernels are invariant when the shapes are held fixed, so every pass has
-    `width` rows (real tokens first, padding after) over a key axis of `max_length` slots: plain
+    decoding (bf16 above all). Kernels are invariant when the shapes are held fixed, so every pass alone
+    has `width` rows (real tokens first, padding after) over a key axis of `max_length` slots: plain
     decoding is one real row, verifying k drafts k + 1 rows, and token t always sits at cache slot t,
     seen by rows at positions >= t. Each pass writes from its first position on, so keys of rejected
     drafts and padding rows are overwritten before any row can see them.
@@ -197,7 +198,7 @@ class StaticLM:
     def __init__(self, model: PreTrainedModel, width: int, max_length: int,
                  hidden_layers: list[int] | None = None, compiled: bool = False,
                  batcher: PassBatcher | None = None, head: bool = True) -> None:
-        """`batcher` runs the fixed-width passes batched with other sequences' (specops.core.batching).
+        """`batcher` runs the passes batched with other sequences' (specops.core.batching).
         Without `head`, `forward` returns the final hidden states instead of logits (a draft LM with a
         reduced vocabulary applies its own head rows)."""
         from specops.core.llama import llama_forward

@@ -120,7 +120,8 @@ class SpeculativeGenerator:
         step drafts `draft_tokens`.
 
         `static_width` > 0 runs the target on the static runtime (specops.core.kv.StaticLM): every pass
-        after the prefill is that many rows wide, so each row's logits are bitwise those of plain
+        after the prefill is that many rows wide (batched: its real rows only, on kernels whose rows do not
+        depend on the pass's shape), so each row's logits are bitwise those of plain
         decoding through the same runtime, in bf16 as in fp32. Drafts are then at most static_width - 1
         tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding).
         `compiled` runs the static runtime's passes through torch.compile (specops.core.llama).

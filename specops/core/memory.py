@@ -8,9 +8,12 @@ config's attributes) and the decoding settings, after reading what the runtime a
     float32 dynamic runtime's SmallBatchLinear keeps a transposed copy of every linear weight it runs
     on one row (specops.core.small_batch_linear), the tied LM head included;
   * the target's KV cache per request: the static runtime allocates layers x 2 x kv_heads x slots x
-    head_dim at the start of a generation, slots = specops.core.types.static_cache_length (rounded up by half octaves), plus
+    head_dim at the start of a generation, slots = specops.core.types.static_cache_length (rounded to STATIC_BUCKET), plus
     its rotary tables; the dynamic cache grows to the tokens held;
-  * the draft LM's weights (shared by every generation slot) and its dynamic KV cache per request;
+  * the draft LM's weights (shared by every generation slot) and its dynamic KV cache per request (beside a
+    static target, a chain draft LM runs on the static runtime instead: a cache up to ~256 slots longer,
+    briefly held three times while it is rebuilt, and fused weight copies; not modelled here, and small
+    for the quickstart's 2-layer draft);
   * the buffers of one pass: the lean forward keeps every layer's output (`captured`, then stacked: two
     copies) and returns logits for every row of a decoding pass (a prefill runs without the head), so
     2 x n x L x H activations; a verification pass of `width` rows the same at its width; sampled

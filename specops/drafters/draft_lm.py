@@ -38,10 +38,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specops.core.batching import PassBatcher, batch_invariant
 from specops.core.drafter import Draft, DrafterBase, TokenStop
 from specops.core.kv import CachedLM, StaticLM, rotary_frequencies, storage_bytes
-from specops.core.llama import rms_norm
+from specops.core.llama import UnsupportedModelError, llama_forward, rms_norm
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.small_batch_linear import use_small_batch_linear
-from specops.core.types import SamplingParams, static_cache_length
+from specops.core.types import DEFAULT_PREFILL_CHUNK, SamplingParams, static_cache_length
 from specops.drafters.acceptance_head import AcceptanceHead
 from specops.drafters.dynamic_tree import Children, TreeNode, grow_nodes, select_best, top_children
 
@@ -50,7 +50,7 @@ VOCAB_FILE = "draft_vocab.safetensors"
 # re-rotation and copy of the window's keys) then happens once every window/4 tokens or so, not every step.
 EVICT_FRACTION = 4
 # Most tokens a batched draft pass takes for one sequence (the last accepted tokens and the bonus token);
-# a longer feed runs alone, in one pass (BatchedDraftLM).
+# a longer feed runs alone (StaticDraftLM).
 DRAFT_PASS_ROWS = 8
 
 
@@ -104,17 +104,21 @@ def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[
     return lambda hidden: vocab_logits(hidden, rows, vocab, head.weight.shape[0])
 
 
-class BatchedDraftLM:
-    """The draft model on the static runtime, its passes batched on the target's pass thread with every other
-    sequence's (specops.core.batching): one weight read and one pass's Python for all the sequences' draft
-    tokens, and no drafting on the generation threads, where it competed for the cores with the batched
-    target passes. The cache grows by reallocation as the sequence grows: a draft's rounding depends only on
-    its own sequence, so a sampled request still drafts the same alone and batched. Chains only, no window."""
+class StaticDraftLM:
+    """The draft model on the static runtime, for a target on it. With the target's batcher its passes are
+    batched on the pass thread with every other sequence's (specops.core.batching): one weight read and one
+    pass's Python for all the sequences' draft tokens, and no drafting on the generation threads, where it
+    competed for the cores with the batched target passes. Without one it runs the same lean forward on
+    this thread, so a sampled request drafts the same distributions in a one-at-a-time server, the CLI and a
+    batched server (its rows do not depend on the batch: batch_invariant). The cache grows by reallocation
+    as the sequence grows, which depends only on the sequence itself. Chains only, no window."""
 
     ROOM = 256  # slots added beyond the need at each (re)allocation: the cache is rebuilt every ROOM tokens or so
 
-    def __init__(self, model: PreTrainedModel, batcher: PassBatcher, width: int) -> None:
-        self.model, self.batcher, self.width = model, batcher, width
+    def __init__(self, model: PreTrainedModel, batcher: PassBatcher | None, width: int, chunk: int) -> None:
+        """`width`: the most tokens of one (batched) pass; a longer feed runs alone, in passes of at most
+        `chunk` tokens (a batched sequence waits for each, so a long prompt does not block it in one go)."""
+        self.model, self.batcher, self.width, self.chunk = model, batcher, width, chunk
         self.static: StaticLM | None = None
 
     @property
@@ -129,8 +133,9 @@ class BatchedDraftLM:
         return storage_bytes([*self.static.keys, *self.static.values]) if self.static is not None else 0
 
     def forward_final_hidden(self, token_ids: list[int]) -> torch.Tensor:
-        """Append tokens; the final norm's output [n, H] at each. Up to `width` tokens run batched; a longer
-        feed (the prompt, or the tokens a suffix front drafted) runs alone, in one pass."""
+        """Append tokens; the final norm's output [n, H] at each. Up to `width` tokens run as one pass
+        (batched when the target's are); a longer feed (the prompt, or the tokens a suffix front drafted)
+        runs alone, chunk by chunk."""
         need = self.length + len(token_ids) + self.width
         if self.static is None or need > self.static.max_length:
             grown = StaticLM(self.model, self.width, static_cache_length(need, self.ROOM, 0), batcher=self.batcher,
@@ -140,9 +145,12 @@ class BatchedDraftLM:
             self.static = grown
         if len(token_ids) <= self.width:
             return self.static.forward(token_ids)
-        layers = self.static.prefill(token_ids)
-        assert layers is not None
-        return rms_norm(layers[:, -1], self.static.eager.norm, self.static.eager.eps)
+        static, hidden = self.static, []
+        for begin in range(0, len(token_ids), self.chunk):
+            layers = static.prefill(token_ids[begin: begin + self.chunk])
+            assert layers is not None
+            hidden.append(rms_norm(layers[:, -1], static.eager.norm, static.eager.eps))
+        return torch.cat(hidden)
 
 
 class DraftLMDrafter(DrafterBase):
@@ -184,7 +192,7 @@ class DraftLMDrafter(DrafterBase):
         return self.head is not None
 
     def reset(self) -> None:
-        self.lm: CachedLM | BatchedDraftLM = CachedLM(self.model)
+        self.lm: CachedLM | StaticDraftLM = CachedLM(self.model)
         self.cached: list[int] = []  # tokens whose keys/values are in self.lm's cache, in cache order
         # Context tokens between the sinks and the window that the cache does not hold: cache slot i holds
         # context[i] below the sinks and context[i + skipped] from them on (always 0 without a window).
@@ -192,11 +200,15 @@ class DraftLMDrafter(DrafterBase):
         self.peak_kv_bytes = 0
 
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
-        """Batched with the target's passes when they are (a chain draft without a window, on a model whose
-        rows do not depend on the batch); otherwise the draft keeps its own dynamic cache on this thread."""
-        if (isinstance(lm, StaticLM) and lm.batcher is not None and not self.tree_nodes and not self.window
-                and batch_invariant(self.model)):
-            self.lm = BatchedDraftLM(self.model, lm.batcher, DRAFT_PASS_ROWS)
+        """On the static runtime too when the target is (StaticDraftLM: a chain draft without a window, on a
+        model the lean forward runs and whose rows do not depend on the batch), batched with the target's
+        passes when they are; otherwise the draft keeps its own dynamic cache."""
+        if isinstance(lm, StaticLM) and not self.tree_nodes and not self.window and batch_invariant(self.model):
+            try:
+                llama_forward(self.model)
+            except UnsupportedModelError:  # another architecture: transformers' forward serves it
+                return
+            self.lm = StaticDraftLM(self.model, lm.batcher, DRAFT_PASS_ROWS, DEFAULT_PREFILL_CHUNK)
 
     def _sync(self, context: list[int]) -> list[int]:
         """Roll the cache back to the longest prefix shared with `context`; return the tokens to feed."""

@@ -496,7 +496,7 @@ def create_app(config: ServerConfig, model: ServedModel | None = None, target: T
     if config.memory_budget is not None:  # refuses (MemoryBudgetError) when one request cannot fit
         served, budget = model, parse_bytes(config.memory_budget)
         plan = on_short_thread(lambda: memory_plan(config, served, budget), "specops-load")
-        model = planned(model, plan)
+        model = on_short_thread(lambda: planned(served, plan), "specops-load")  # a goodput policy times passes
         log.warning(describe(plan))  # warning: `specops serve` logs at that level and the plan must show
     server = Server(config, model, metrics, watcher, plan)
 

@@ -1,4 +1,5 @@
-"""The draft LM batched on the target's pass thread (BatchedDraftLM, specops/drafters/draft_lm.py).
+"""The draft LM on the static runtime, batched on the target's pass thread when the target's passes are
+(StaticDraftLM, specops/drafters/draft_lm.py).
 
 Whether batched drafting changes any request's output is checked with the target's batching
 (tests/core/test_batching.py and tests/server/test_batching.py: greedy and sampled requests alone vs
@@ -16,7 +17,9 @@ import torch
 from specops.core.batching import PassBatcher
 from specops.core.kv import CachedLM, StaticLM
 from specops.core.types import SamplingParams
-from specops.drafters.draft_lm import BatchedDraftLM, DraftLMDrafter
+from specops.drafters.draft_lm import DraftLMDrafter, StaticDraftLM
+from specops.drafters.suffix import SuffixCache, SuffixDrafter
+from specops.drafters.suffix_front import SuffixFrontDrafter
 from tests.conftest import VOCAB, tiny_llama
 
 HIDDEN = 96  # wide enough for every product to run on oneDNN (specops.core.batching.batch_invariant)
@@ -25,7 +28,7 @@ HIDDEN = 96  # wide enough for every product to run on oneDNN (specops.core.batc
 def agreement(monkeypatch, steps: int = 40) -> float:
     """Fraction of drafted tokens on which the batched draft and the dynamic-cache draft agree, over a
     sequence that grows by 1-3 tokens a step and is sometimes rolled back (a rejected draft)."""
-    monkeypatch.setattr(BatchedDraftLM, "ROOM", 8)  # rebuild the static cache every few steps
+    monkeypatch.setattr(StaticDraftLM, "ROOM", 8)  # rebuild the static cache every few steps
     target = tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16)
     draft = tiny_llama(1, layers=2, hidden=HIDDEN, dtype=torch.bfloat16)
     batcher = PassBatcher(target)
@@ -33,7 +36,7 @@ def agreement(monkeypatch, steps: int = 40) -> float:
     batched.reset()
     batched.share_runtime(StaticLM(target, 5, 256, batcher=batcher))
     own.reset()
-    assert isinstance(batched.lm, BatchedDraftLM) and isinstance(own.lm, CachedLM)
+    assert isinstance(batched.lm, StaticDraftLM) and isinstance(own.lm, CachedLM)
     rng = random.Random(0)
     context = [rng.randrange(3, VOCAB) for _ in range(20)]
     same = total = 0
@@ -58,17 +61,32 @@ def test_a_rebuilt_cache_keeps_what_it_held(monkeypatch):
     assert agreement(monkeypatch) < 0.9
 
 
-def test_the_batched_draft_is_used_only_where_it_can_be():
+def test_the_static_draft_is_used_only_where_it_can_be():
     target = tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16)
     batcher = PassBatcher(target)
+    unsupported = tiny_llama(1, hidden=HIDDEN, dtype=torch.bfloat16)
+    unsupported.config.attention_bias = True  # an architecture the lean forward refuses
     cases = [(DraftLMDrafter(tiny_llama(1, hidden=HIDDEN, dtype=torch.bfloat16), VOCAB), True),
              (DraftLMDrafter(tiny_llama(1, hidden=48, dtype=torch.bfloat16), VOCAB), False),  # too small to batch
              (DraftLMDrafter(tiny_llama(1, hidden=HIDDEN, dtype=torch.bfloat16), VOCAB, tree_nodes=6), False),
-             (DraftLMDrafter(tiny_llama(1, hidden=HIDDEN, dtype=torch.bfloat16), VOCAB, window=32, sinks=4), False)]
+             (DraftLMDrafter(tiny_llama(1, hidden=HIDDEN, dtype=torch.bfloat16), VOCAB, window=32, sinks=4), False),
+             (DraftLMDrafter(unsupported, VOCAB), False)]
     for drafter, expected in cases:
+        # Batched or not, the same draft path: a sampled request drafts alike in every server.
+        for runtime in (StaticLM(target, 5, 128, batcher=batcher), StaticLM(target, 5, 128)):
+            drafter.reset()
+            drafter.share_runtime(runtime)
+            assert isinstance(drafter.lm, StaticDraftLM) == expected
+            assert not expected or drafter.lm.batcher is runtime.batcher
         drafter.reset()
-        drafter.share_runtime(StaticLM(target, 5, 128, batcher=batcher))
-        assert isinstance(drafter.lm, BatchedDraftLM) == expected
-        drafter.reset()
-        drafter.share_runtime(StaticLM(target, 5, 128))  # no batcher: the draft's own cache
+        drafter.share_runtime(CachedLM(target))  # the dynamic runtime: the draft's own dynamic cache
         assert isinstance(drafter.lm, CachedLM)
+
+
+def test_a_suffix_front_passes_the_runtime_to_its_draft_lm():
+    target = tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16)
+    drafter = SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), DraftLMDrafter(tiny_llama(1, hidden=HIDDEN, dtype=torch.bfloat16), VOCAB),
+                                 min_score=1.0)
+    drafter.reset()
+    drafter.share_runtime(StaticLM(target, 5, 128, batcher=PassBatcher(target)))
+    assert isinstance(drafter.back.lm, StaticDraftLM)
