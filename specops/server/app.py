@@ -487,18 +487,20 @@ def create_app(config: ServerConfig, model: ServedModel | None = None, target: T
     """Build the app; the worker starts with its lifespan. `model` serves as given (no registry polling);
     otherwise it is loaded as `config` says, with `target` instead of loading --target."""
     metrics = ServerMetrics()
-    watcher = None
+
+    def load() -> tuple[ServedModel, RegistryWatcher | None, MemoryPlan | None]:
+        served, watcher = (model, None) if model is not None else load_model(config, metrics, target)
+        if config.memory_budget is None:
+            return served, watcher, None
+        plan = memory_plan(config, served, parse_bytes(config.memory_budget))  # refuses when one request cannot fit
+        return planned(served, plan), watcher, plan  # a goodput policy times passes here too
+
     # Loading and planning run parallel torch work; on this thread (the event loop's, for good) it would
     # leave an OpenMP team that slows every batched pass (specops.core.batching).
-    if model is None:
-        model, watcher = on_short_thread(lambda: load_model(config, metrics, target), "specops-load")
-    plan = None
-    if config.memory_budget is not None:  # refuses (MemoryBudgetError) when one request cannot fit
-        served, budget = model, parse_bytes(config.memory_budget)
-        plan = on_short_thread(lambda: memory_plan(config, served, budget), "specops-load")
-        model = on_short_thread(lambda: planned(served, plan), "specops-load")  # a goodput policy times passes
+    served, watcher, plan = on_short_thread(load, "specops-load")
+    if plan is not None:
         log.warning(describe(plan))  # warning: `specops serve` logs at that level and the plan must show
-    server = Server(config, model, metrics, watcher, plan)
+    server = Server(config, served, metrics, watcher, plan)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
