@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specops.core.llama import ROPE_TYPES, Segment, rotate
+from specops.core.llama import ROPE_TYPES, Branches, Segment, rotate
 
 if TYPE_CHECKING:  # batching imports the cost model, which imports this module
     from specops.core.batching import PassBatcher
@@ -191,8 +191,13 @@ class StaticLM:
 
     The passes run specops.core.llama's lean forward; `compiled` runs the fixed-width passes through
     torch.compile (the prompt's prefill, of its own length, stays eager: plain and speculative decoding
-    share it). Trees are refused: a tree's rows attend to their ancestors at scattered slots, so they
-    would not reduce in the order plain decoding does.
+    share it).
+
+    Trees (`forward_tree`) need a target whose rows do not depend on the pass's shape at all
+    (specops.core.batching.batch_invariant) and eager passes: a tree row must see its ancestors in the slots
+    a chain would put them, so each branch gets a cache of its own (llama.Branches), and a tree pass is
+    another shape than plain decoding's. The branch caches are allocated at the first tree, one per
+    leaf of the widest tree so far, and brought up to the committed tokens before each tree pass.
     """
 
     def __init__(self, model: PreTrainedModel, width: int, max_length: int,
@@ -226,6 +231,12 @@ class StaticLM:
         self.head = head
         self.features: torch.Tensor | None = None
         self.length = 0  # committed tokens in the cache; slots past it are stale
+        from specops.core.batching import batch_invariant  # batching imports this module
+
+        self.trees = not compiled and batch_invariant(model)  # whether forward_tree is exact here
+        self._pool: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # [branches, kv, length, D] per layer
+        self._synced = 0  # slots every branch cache holds as the main one (self.keys: branch 0's)
+        self._tree: list[int] | None = None  # the last tree pass's owner branch per row, until `keep`
 
     def _segment(self, token_ids: list[int], rows: int) -> Segment:
         """`token_ids` at slots length.. (padded to `rows` rows), for one pass."""
@@ -274,11 +285,62 @@ class StaticLM:
         return out[:n]
 
     def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        raise ValueError("Tree drafts are not batch-invariant on the static runtime (their rows read ancestors "
-                         "at scattered cache slots); use a chain drafter, or the dynamic runtime.")
+        """The root (the last committed token) and a tree's nodes in one pass, each branch in its own cache
+        (llama.Branches); logits [n+1, V] (row 0: root), bitwise those plain decoding gives each token once
+        its ancestors are committed. `keep` then commits a path."""
+        if not self.trees:
+            raise ValueError("Tree drafts on the static runtime need eager passes on a target whose rows do not "
+                             "depend on the pass's shape (bf16, see specops.core.batching.batch_invariant); use a "
+                             "chain drafter, or the dynamic runtime (static_width 0).")
+        rows = [0] + [p + 1 for p in parents]  # each row's parent row; the root's is itself
+        leaves = sorted(set(range(len(rows))) - set(rows[1:]))
+        owner, write_branch, write_row = [-1] * len(rows), [], []
+        for branch, leaf in enumerate(leaves):
+            path, row = [leaf], leaf
+            while row:
+                row = rows[row]
+                path.append(row)
+            for row in path:
+                write_branch.append(branch)
+                write_row.append(row)
+                if owner[row] < 0:
+                    owner[row] = branch
+        keys, values = self._branch_caches(len(leaves))
+        start = self.length
+        if start + max(tree_depths(parents), default=0) + 1 > self.max_length:
+            raise ValueError(f"The static cache holds {self.max_length} tokens; a tree at {start} does not fit.")
+        branches = Branches(torch.tensor(owner), torch.tensor(write_branch), torch.tensor(write_row))
+        segment = Segment(torch.tensor([root] + tokens), start + torch.tensor([0] + tree_depths(parents)),
+                          keys, values, *self.tables, branches)
+        if self.batcher is not None:
+            out, layers = self.batcher.run(segment, self.eager, self.head)
+        else:
+            out, layers = self.eager.forward_many([segment], self.head)[0]
+        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
+        self._tree = owner
+        return out
+
+    def _branch_caches(self, branches: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """At least `branches` caches holding the committed tokens; the main cache is the first."""
+        if self._pool is None or self._pool[0][0].shape[0] < branches:
+            size = max(branches, 2 * (self._pool[0][0].shape[0] if self._pool else 1))  # few reallocations
+            shape = (size, *self.keys[0].shape)
+            self._pool = ([torch.zeros(shape, dtype=k.dtype) for k in self.keys],
+                          [torch.zeros(shape, dtype=v.dtype) for v in self.values])
+            for pooled, main in zip((*self._pool[0], *self._pool[1]), (*self.keys, *self.values), strict=True):
+                pooled[0] = main
+            self.keys, self.values = [k[0] for k in self._pool[0]], [v[0] for v in self._pool[1]]
+            self._synced = 0
+        if self._synced < self.length:  # tokens committed by chain passes, into the main cache only
+            for pooled in (*self._pool[0], *self._pool[1]):
+                pooled[1:, :, self._synced: self.length] = pooled[:1, :, self._synced: self.length]
+            self._synced = self.length
+        return self._pool
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+        self._synced = min(self._synced, self.length)
+        self._tree = None
 
     def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
         """Copies of the committed slots' keys and values (and the features of the last pass)."""
@@ -291,8 +353,17 @@ class StaticLM:
         for cache, saved in zip((*self.keys, *self.values), (*keys, *values), strict=True):
             cache[:, : saved.shape[1]] = saved
         self.length = keys[0].shape[1]
+        self._synced = 0  # the branch caches, if any, hold none of it
 
     def keep(self, start: int, offsets: list[int]) -> None:
-        if offsets != list(range(len(offsets))):
-            raise ValueError("The static runtime keeps only a chain's prefix.")
-        self.crop(start + len(offsets))
+        """Commit rows `offsets` (the root and a path, ascending) of the last tree pass at `start`: the branch
+        that holds the path has them at their slots; every other cache gets a copy (the root's too: caches of
+        branches the tree did not use have not seen it)."""
+        if self._tree is None or self._pool is None or start != self.length or offsets[:1] != [0]:
+            raise ValueError("keep commits a path of the last tree pass, from its root.")
+        end = start + len(offsets)
+        source = self._tree[offsets[-1]]  # the branch the deepest kept row attended in holds its whole path
+        for pooled in (*self._pool[0], *self._pool[1]):
+            pooled[:, :, start: end] = pooled[source, :, start: end].clone()
+        self.length = self._synced = end
+        self._tree = None

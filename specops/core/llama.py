@@ -40,9 +40,25 @@ INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_b
 
 
 @dataclass(frozen=True)
+class Branches:
+    """A tree draft's rows, each root-to-leaf branch in a cache of its own (specops.core.kv.StaticLM.forward_tree).
+
+    A tree row must reduce exactly as plain decoding reduces its token, over keys in the same slots: its
+    ancestors at the slots right before its own, where a chain puts them. Siblings cannot share those
+    slots in one cache, so each branch has its own copy ([branches, kv_heads, length, D] per layer) in which
+    its tokens sit at the last committed position plus their depths. A row is computed once in the
+    products, written to every branch through it (`write_branch`, `write_row`) and attends in one of them
+    (`owner`)."""
+
+    owner: torch.Tensor  # [n] the branch each row attends in (one whose path holds it)
+    write_branch: torch.Tensor  # [w] with write_row: row write_row[i]'s keys and values go to branch write_branch[i]
+    write_row: torch.Tensor  # [w]
+
+
+@dataclass(frozen=True)
 class Segment:
     """One sequence's rows in a pass: tokens [n] at positions [n] (their cache slots), its per-layer cache
-    and its rotary tables."""
+    and its rotary tables. With `branches` (a tree), the cache holds one copy per branch."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -50,6 +66,7 @@ class Segment:
     values: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
+    branches: Branches | None = None
 
     def args(self) -> tuple:
         """The arguments of LlamaForward.forward, in order."""
@@ -196,9 +213,14 @@ class LlamaForward(nn.Module):
             q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
             v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            for segment, rows in zip(segments, plan.rows, strict=True):
-                segment.keys[i].index_copy_(1, segment.pos, k[:, rows])
-                segment.values[i].index_copy_(1, segment.pos, v[:, rows])
+            for j, (segment, rows) in enumerate(zip(segments, plan.rows, strict=True)):
+                if segment.branches is None:
+                    segment.keys[i].index_copy_(1, segment.pos, k[:, rows])
+                    segment.values[i].index_copy_(1, segment.pos, v[:, rows])
+                else:  # one write per layer into every branch through each row
+                    branch, slot, row = plan.writes[j]
+                    segment.keys[i][branch, :, slot] = k[:, row].transpose(0, 1)
+                    segment.values[i][branch, :, slot] = v[:, row].transpose(0, 1)
             att = plan.attend(q, i)
             x = x + F.linear(att.transpose(0, 1).reshape(n, q_size), self.o[i])
             h = rms_norm(x, self.mlp_norm[i], self.eps)
@@ -227,10 +249,11 @@ class LlamaForward(nn.Module):
 
 
 class _Group(NamedTuple):
-    """Sequences whose caches have one length, attending in one call."""
+    """Sequences whose caches have one length, attending in one call; or one tree's branches."""
 
-    members: list[int]  # their indices among the pass's segments
-    width: int  # query rows per member: the widest member's
+    members: list[int]  # their indices among the pass's segments (a tree: its one segment)
+    batch: int  # caches attended in (members, or a tree's branches)
+    width: int  # query rows per cache: the widest's
     take: torch.Tensor  # [members * width] the pass row of each query slot (a member's first row pads it)
     visible: torch.Tensor  # [members, 1, width, length]
     keep: torch.Tensor  # the query slots holding real rows, in pass order
@@ -252,41 +275,62 @@ class _AttentionPlan:
         self.rows = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
         self.flash = [j for j, size in enumerate(sizes) if size > MATH_ROWS]
         self.masks = {j: forward.visibility(segments[j].pos, segments[j].keys[0].shape[1]) for j in self.flash}
+        self.groups: list[_Group] = []
+        self.writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a tree's (branch, slot, pass row)
         groups: dict[int, list[int]] = {}
         for j, size in enumerate(sizes):
-            if size <= MATH_ROWS:
+            tree = segments[j].branches
+            if tree is not None:
+                if size > MATH_ROWS:
+                    raise ValueError(f"A tree pass takes at most {MATH_ROWS} rows, got {size}.")
+                self.writes[j] = (tree.write_branch, segments[j].pos[tree.write_row], tree.write_row + starts[j])
+                self.groups.append(self._branches(j, starts[j]))
+            elif size <= MATH_ROWS:
                 # One segment (every compiled pass) is one group without reading its cache length: a length
                 # used as a key would specialise a compiled graph on it and recompile for every other length.
                 key = segments[j].keys[0].shape[1] if len(segments) > 1 else 0
                 groups.setdefault(key, []).append(j)
-        self.groups: list[_Group] = []
         for members in groups.values():
             length = segments[members[0]].keys[0].shape[1]
-            width = max(sizes[j] for j in members)
-            take, visible, keep, out = [], [], [], []
-            for b, j in enumerate(members):
-                padded = list(range(starts[j], starts[j] + sizes[j])) + [starts[j]] * (width - sizes[j])
-                take += padded
-                pos = segments[j].pos
-                visible.append(forward.visibility(torch.cat([pos, pos[:1].expand(width - sizes[j])]), length))
-                keep += range(b * width, b * width + sizes[j])
-                out += range(starts[j], starts[j] + sizes[j])
-            self.groups.append(_Group(members, width, torch.tensor(take), torch.stack(visible)[:, None],
-                                      torch.tensor(keep), torch.tensor(out)))
+            rows = [list(range(starts[j], starts[j] + sizes[j])) for j in members]
+            self.groups.append(self._group_of(members, len(members), rows, [segments[j].pos for j in members], length))
         # The common case needs no gather or scatter: one group, every member `width` rows, no padding rows.
-        self.uniform = (not self.flash and len(self.groups) == 1 and sum(sizes) == n
+        self.uniform = (not self.flash and not self.writes and len(self.groups) == 1 and sum(sizes) == n
                         and all(size == self.groups[0].width for size in sizes))
+
+    def _group_of(self, members: list[int], batch: int, rows: list[list[int]], positions: list[torch.Tensor],
+                  length: int) -> _Group:
+        """A group attending in `batch` caches of `length` slots: the pass rows [rows[b]] at `positions[b]` in
+        cache b, each cache's queries padded to the widest with copies of its first row."""
+        width = max(len(r) for r in rows)
+        take, visible, keep, out = [], [], [], []
+        for b, (real, pos) in enumerate(zip(rows, positions, strict=True)):
+            take += real + real[:1] * (width - len(real))
+            visible.append(self.forward.visibility(torch.cat([pos, pos[:1].expand(width - len(real))]), length))
+            keep += range(b * width, b * width + len(real))
+            out += real
+        return _Group(members, batch, width, torch.tensor(take), torch.stack(visible)[:, None],
+                      torch.tensor(keep), torch.tensor(out))
+
+    def _branches(self, j: int, start: int) -> _Group:
+        """Tree segment j's group: each branch's cache with the rows that attend in it."""
+        segment = self.segments[j]
+        owner = segment.branches.owner  # type: ignore[union-attr]
+        batch = int(owner.max()) + 1
+        rows = [torch.nonzero(owner == b).flatten() for b in range(batch)]
+        return self._group_of([j], batch, [(r + start).tolist() for r in rows], [segment.pos[r] for r in rows],
+                              segment.keys[0].shape[2])
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention outputs [heads, n, D] for the pass's queries q [heads, n, D] at `layer` (padding rows 0)."""
         fw = self.forward
         if self.uniform:
             group = self.groups[0]
-            queries = q.view(fw.heads, len(group.members), group.width, fw.head_dim).transpose(0, 1)
+            queries = q.view(fw.heads, group.batch, group.width, fw.head_dim).transpose(0, 1)
             return self._group(queries, group, layer).transpose(0, 1).reshape(fw.heads, self.n, fw.head_dim)
         att = q.new_zeros(fw.heads, self.n, fw.head_dim)
         for group in self.groups:
-            queries = q[:, group.take].view(fw.heads, len(group.members), group.width, fw.head_dim).transpose(0, 1)
+            queries = q[:, group.take].view(fw.heads, group.batch, group.width, fw.head_dim).transpose(0, 1)
             result = self._group(queries, group, layer)
             att[:, group.out] = result.transpose(0, 1).reshape(fw.heads, -1, fw.head_dim)[:, group.keep]
         for j in self.flash:
@@ -298,7 +342,9 @@ class _AttentionPlan:
 
     def _group(self, queries: torch.Tensor, group: _Group, layer: int) -> torch.Tensor:
         segments = [self.segments[j] for j in group.members]
-        if len(segments) == 1:
+        if segments[0].branches is not None:  # the tree's branch caches, a view: no copy
+            keys, values = segments[0].keys[layer][: group.batch], segments[0].values[layer][: group.batch]
+        elif len(segments) == 1:
             keys, values = segments[0].keys[layer][None], segments[0].values[layer][None]
         else:
             keys = torch.stack([s.keys[layer] for s in segments])

@@ -121,7 +121,7 @@ class DecodingShape:
     dtype: str = "bfloat16"
     static_width: int = 0  # 0: the dynamic runtime
     draft_tokens: int = 0  # chain drafts; a tree's depth
-    tree_nodes: int = 0  # > 0: the drafter grows trees (dynamic runtime only)
+    tree_nodes: int = 0  # > 0: the drafter grows trees (on the static runtime, a cache per leaf)
     concurrency: int = 1  # generations decoding at once (1 unless the runtime batches exactly)
     context: int = 2048  # prompt + max_tokens every slot must hold
     prefill_chunk: int = 512  # DEFAULT_PREFILL_CHUNK
@@ -134,8 +134,6 @@ class DecodingShape:
             raise ValueError(f"Unknown dtype '{self.dtype}'. Choose one of: {', '.join(DTYPE_BYTES)}.")
         if self.concurrency < 1 or self.context < 2 or self.static_width < 0 or self.draft_tokens < 0:
             raise ValueError("concurrency >= 1, context >= 2, static_width >= 0 and draft_tokens >= 0 are needed.")
-        if self.static_width and self.tree_nodes:
-            raise ValueError("The static runtime verifies chains only (tree_nodes must be 0).")
 
     @property
     def dtype_bytes(self) -> int:
@@ -143,8 +141,17 @@ class DecodingShape:
 
     @property
     def pass_rows(self) -> int:
-        """Rows of one verification pass: the static width, or the last token plus the draft (chain or tree)."""
-        return self.static_width or 1 + (self.tree_nodes or self.draft_tokens)
+        """Rows of one verification pass: the last token plus a tree, else the static width, else the last
+        token plus the chain."""
+        if self.tree_nodes:
+            return 1 + self.tree_nodes
+        return self.static_width or 1 + self.draft_tokens
+
+    @property
+    def branch_caches(self) -> int:
+        """Target caches per generation: on the static runtime a tree's branches have one each (at most
+        one per node: StaticLM.forward_tree), the first being the main cache."""
+        return max(1, self.tree_nodes) if self.static_width else 1
 
 
 @dataclass(frozen=True)
@@ -265,10 +272,10 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
     if decoding.sampled:
         verification += _sampled_bytes(rows, target.vocab) + decoding.draft_tokens * target.vocab * 4
     tree = 0
-    if decoding.tree_nodes:  # the additive mask in the model dtype, [rows, keys]
+    if decoding.tree_nodes:  # the additive mask in the model dtype, [rows, keys]; the static runtime's boolean one
         tree = rows * slots * b
     request = RequestMemory(
-        target_kv=target.kv_bytes(slots, b),
+        target_kv=target.kv_bytes(slots, b) * decoding.branch_caches,
         rotary=2 * slots * target.head_dim * b if static else 0,
         draft_kv=draft.kv_bytes(min(tokens, decoding.draft_window or tokens), b) if draft is not None else 0,
         prefill=_pass_bytes(target, chunk, slots, b, lean=static, head=False),

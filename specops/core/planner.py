@@ -44,7 +44,7 @@ class PlanSpace:
 
     max_width: int  # static runtime: the widest pass (drafts of width - 1); 0: the dynamic runtime
     max_draft_tokens: int  # dynamic runtime: the longest chain (a tree's depth); 0: no drafter
-    max_tree_nodes: int = 0  # > 0: a tree drafter of at most this many nodes (dynamic runtime)
+    max_tree_nodes: int = 0  # > 0: a tree drafter of at most this many nodes
     max_batch: int = 1  # generation slots at most
     batchable: bool = False  # whether several generations decode at once (else one at a time)
     min_context: int = 1024  # every slot must hold at least this many tokens, or the plan is refused
@@ -65,6 +65,10 @@ class PlanSpace:
 
     def drafts(self) -> list[tuple[int, int, int]]:
         """Candidate (static width, draft tokens, tree nodes)."""
+        if self.max_width and self.max_tree_nodes:  # no draft, or trees as deep as the width allows
+            depth = min(self.max_width - 1, self.max_draft_tokens)
+            trees = [(self.max_width, depth, n) for n in range(1, self.max_tree_nodes + 1)] if depth else []
+            return [(1, 0, 0), *trees]
         if self.max_width:
             return [(w, w - 1, 0) for w in range(1, min(self.max_width, self.max_draft_tokens + 1) + 1)]
         if self.max_tree_nodes:
@@ -108,7 +112,7 @@ def expected_step_tokens(acceptance: float, draft_tokens: int, tree_nodes: int) 
 
 def goodput(cost: StepCost, space: PlanSpace, width: int, draft_tokens: int, tree_nodes: int, batch: int) -> float:
     """SmartSpec's goodput of `batch` generations: batch x E[tokens] / (drafting + one batched pass)."""
-    rows = width or 1 + (tree_nodes or draft_tokens)  # the static runtime pays its full width every pass
+    rows = 1 + tree_nodes if tree_nodes else width or 1 + draft_tokens  # a static chain pays its full width
     drafting = draft_tokens * cost.draft_token_s * max(1.0, batch / space.cores)
     return batch * expected_step_tokens(space.acceptance, draft_tokens, tree_nodes) / (
         drafting + cost.verify_time(batch * rows))

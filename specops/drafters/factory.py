@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specops.core.batching import batch_invariant
 from specops.core.cost_model import measure_cost_model
 from specops.core.drafter import Drafter
 from specops.core.policies import (
@@ -44,6 +45,11 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
     if spec.weights is not None and weights is None:
         raise ValueError(f"The {kind} drafter needs {WEIGHTS_NEEDED[spec.weights]}.")
     nodes = config.tree_nodes if spec.tree else 0
+    if spec.tree and config.static_width and not batch_invariant(target.model):
+        raise ValueError(f"'{kind}' drafts trees, which the static runtime verifies exactly only on a target whose "
+                         f"rows are batch-invariant: bf16, and large enough for oneDNN (this one is "
+                         f"{target.model.dtype}; specops.core.batching.batch_invariant). Use static_width 0 (the "
+                         "dynamic runtime, exact in fp32) or a chain drafter.")
     if kind == "none":
         return None
     if kind == "prompt-lookup":

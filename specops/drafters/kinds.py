@@ -125,7 +125,7 @@ class DecodingConfig:
     router_dir: str | None = None  # train_router's output folder; a bundle fills it from its router/ component
     # The target runtime: 0 is the dynamic KV cache; N > 0 the static runtime (specops.core.kv.StaticLM),
     # every pass N rows wide, so speculative output is bitwise plain decoding's through it in bf16 too.
-    # Chains only, of at most N - 1 tokens.
+    # Chains of at most N - 1 tokens; trees of that depth in bf16, eager (not compiled), with a cache per leaf.
     static_width: int = 0
     # Run the static runtime's passes through torch.compile (specops.core.llama): a minute or two to
     # compile once a process, then about 2x faster passes on a CPU. Needs static_width > 0 and a C++ compiler.
@@ -139,9 +139,10 @@ class DecodingConfig:
         if self.draft_window and self.draft_window <= self.draft_sinks:
             raise ValueError(f"draft_window must be 0 (off) or larger than draft_sinks ({self.draft_sinks}), "
                              f"got {self.draft_window}.")
-        if self.static_width and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:
-            raise ValueError(f"The static runtime verifies chains only; '{self.drafter}' drafts trees "
-                             "(their rows would read ancestors at scattered cache slots). Use static_width 0.")
+        if self.compiled and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:
+            raise ValueError(f"'{self.drafter}' drafts trees, whose passes run eager (each branch in its own "
+                             "cache), so compiled plain decoding would round differently: drop compiled, or use "
+                             "a chain drafter.")
 
     @classmethod
     def from_serving(cls, serving: dict[str, Any]) -> DecodingConfig:

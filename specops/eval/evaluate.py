@@ -16,7 +16,7 @@ from specops.core.loop import SpeculativeGenerator
 from specops.core.target import DTYPES, Target
 from specops.core.types import DEFAULT_DRAFT_TOKENS
 from specops.data.prompts import read_split as read_split_rows
-from specops.drafters.kinds import DecodingConfig, MethodSpec
+from specops.drafters.kinds import DRAFTERS, DecodingConfig, MethodSpec
 from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class EvaluateConfig:
     """The target's precision here and in the bundle's serving runtime (float32 or bfloat16). Lossless means
     bitwise our plain decoding in this dtype, through the same runtime."""
     static_width: int = DEFAULT_DRAFT_TOKENS + 1
-    """The serving runtime measured here and written to the bundle: 0 is the dynamic KV cache (trees
-    allowed; in bf16 its multi-row passes round differently, so nothing stays lossless there); N > 0 the
-    static runtime, every pass N rows wide (chains of at most N - 1 tokens; DecodingConfig.static_width)."""
+    """The serving runtime measured here and written to the bundle: 0 is the dynamic KV cache (in bf16 its
+    multi-row passes round differently, so nothing stays lossless there); N > 0 the static runtime, every
+    pass N rows wide (chains of at most N - 1 tokens, trees that deep in bf16; DecodingConfig.static_width)."""
     compiled: bool = False
     """The static runtime's passes through torch.compile: a minute or two of compiling per process and
     pass width, then about 2x faster passes (DecodingConfig.compiled)."""
@@ -75,6 +75,10 @@ class EvaluateConfig:
                 config = MethodSpec.parse(name).decoding(replace(runtime, draft_tokens=self.draft_tokens))
             except ValueError as error:
                 raise ValueError(f"evaluate.methods: {name}: {error}") from error
+            if self.static_width and self.dtype != "bfloat16" and DRAFTERS[config.drafter].tree:
+                raise ValueError(f"evaluate.methods: {name} drafts trees, which the static runtime verifies exactly "
+                                 "in bfloat16 only (each branch in its own cache, batch-invariant rows); use "
+                                 "dtype bfloat16, or static_width 0 for float32 trees.")
             if self.static_width and config.draft_tokens >= self.static_width:
                 raise ValueError(f"evaluate.methods: {name} drafts {config.draft_tokens} tokens, but passes of "
                                  f"static_width {self.static_width} verify at most {self.static_width - 1}.")

@@ -153,10 +153,12 @@ def brute_force(budget: int, base: DecodingShape, space: PlanSpace, draft: Model
 SPACES = [PlanSpace(max_width=6, max_draft_tokens=5, max_batch=8, batchable=True, min_context=64, max_context=1024),
           PlanSpace(max_width=0, max_draft_tokens=6, max_batch=8, batchable=False, min_context=64, max_context=1024),
           PlanSpace(max_width=0, max_draft_tokens=4, max_tree_nodes=10, min_context=64, max_context=1024),
-          PlanSpace(max_width=1, max_draft_tokens=0, max_batch=4, batchable=True, min_context=128, max_context=1024)]
+          PlanSpace(max_width=1, max_draft_tokens=0, max_batch=4, batchable=True, min_context=128, max_context=1024),
+          PlanSpace(max_width=5, max_draft_tokens=4, max_tree_nodes=6, max_batch=4, batchable=True, min_context=64,
+                    max_context=1024)]
 
 
-@pytest.mark.parametrize("space", SPACES, ids=["static", "dynamic", "tree", "plain"])
+@pytest.mark.parametrize("space", SPACES, ids=["static", "dynamic", "tree", "plain", "static-tree"])
 @pytest.mark.parametrize("draft", [None, DRAFT], ids=["no-draft", "draft"])
 def test_planner_matches_brute_force(space, draft):
     base = DecodingShape(dtype="bfloat16", sampled=True, gguf=False)
@@ -178,6 +180,9 @@ def test_configured_values_are_ceilings():
     static = PlanSpace(max_width=9, max_draft_tokens=3, max_batch=4, batchable=True)
     assert [(w, k) for w, k, _ in static.drafts()] == [(1, 0), (2, 1), (3, 2), (4, 3)]
     assert [w for w, _, _ in PlanSpace(max_width=5, max_draft_tokens=0).drafts()] == [1]  # no drafter
+    # static trees: no draft, or trees as deep as the width allows of up to the configured nodes
+    assert PlanSpace(max_width=5, max_draft_tokens=9, max_tree_nodes=3).drafts() == [(1, 0, 0), (5, 4, 1), (5, 4, 2),
+                                                                                   (5, 4, 3)]
     assert list(static.batches()) == [1, 2, 3, 4]
     assert list(PlanSpace(max_width=5, max_draft_tokens=4, max_batch=8, batchable=False).batches()) == [1]
 

@@ -157,14 +157,14 @@ def test_compiled_needs_the_static_runtime(target):
         SpeculativeGenerator(target, None, compiled=True)
 
 
-def aligned(target_model) -> AlignedHeadDrafter:
+def aligned(target_model, tree_nodes: int = 0) -> AlignedHeadDrafter:
     torch.manual_seed(3)
     cfg = target_model.config
     head = AlignedHead(AlignedHeadConfig(hidden_size=cfg.hidden_size, target_vocab_size=cfg.vocab_size,
                                          hidden_layers=[0, 1], num_target_layers=cfg.num_hidden_layers,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                          intermediate_size=64)).to(target_model.dtype)
-    return AlignedHeadDrafter(head, target_model)
+    return AlignedHeadDrafter(head, target_model, tree_nodes=tree_nodes, tree_top_k=2)
 
 
 def del_drafter(target_model) -> DELDrafter:
@@ -201,12 +201,6 @@ def test_every_chain_drafter_is_bitwise_plain_decoding(dtype):
                 assert max(len(row) for row in [result.stats.drafted_per_position]) <= WIDTH - 1
 
 
-def test_trees_are_refused_with_a_reason(target):
-    generator = SpeculativeGenerator(target, RecyclingDrafter(target.vocab_size, num_nodes=6), static_width=WIDTH)
-    with pytest.raises(ValueError, match="Tree drafts are not batch-invariant"):
-        generator.generate(list(range(10, 30)), 8)
-
-
 def test_cache_length_is_shared_by_plain_and_speculative_runs():
     assert static_cache_length(100, 128, 4) == static_cache_length(100, 128, 4) == 256  # 244, rounded up to 64s
     assert static_cache_length(200, 128, 4) == 384
@@ -222,8 +216,8 @@ def test_cache_length_does_not_follow_the_width():
 
 @pytest.mark.slow
 def test_smollm2_bf16_prompt_lookup_is_bitwise_plain_decoding_only_on_the_static_runtime():
-    """The real target in bf16, a HumanEval prompt, 48 tokens: on the static runtime prompt lookup emits
-    exactly plain decoding's tokens; on the dynamic cache the multi-row passes round differently and
+    """The real target in bf16, a HumanEval prompt, 48 tokens: on the static runtime prompt lookup and Token
+    Recycling's trees emit exactly plain decoding's tokens; on the dynamic cache the multi-row passes round differently and
     the output drifts (the must-fail control, measured 2026-11-25 on both of the first two prompts)."""
     from specops.core.target import encode_prompt, load_target
     from specops.data.datasets import bench_prompts
@@ -235,6 +229,7 @@ def test_smollm2_bf16_prompt_lookup_is_bitwise_plain_decoding_only_on_the_static
         return SpeculativeGenerator(target, drafter, "greedy", 3, static_width=width).generate(ids, 48).token_ids
 
     assert tokens(PromptLookupDrafter(3), WIDTH) == tokens(None, WIDTH)
+    assert tokens(RecyclingDrafter(target.vocab_size, num_nodes=6), WIDTH) == tokens(None, WIDTH)  # a tree a step
     assert tokens(PromptLookupDrafter(3), 0) != tokens(None, 0)
     sampling = SamplingParams(temperature=0.8, top_p=0.95)  # coupled sampling: the same draws, bitwise
     spec = SpeculativeGenerator(target, PromptLookupDrafter(3), "coupled", 3, static_width=WIDTH)

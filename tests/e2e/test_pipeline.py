@@ -30,7 +30,7 @@ TINY_PARAMS = {
     "train_aligned": {"draft_vocab_size": 32, "batch_size": 4, "epochs": 1, "max_seq_len": 64},
     "train_acceptance": {"epochs": 2},
     "train_exit": {"exit_layers": [1], "draft_vocab_size": 32, "max_sequences": 8, "epochs": 1},
-    # params.yaml's serving runtime (bf16, static): chains only.
+    # params.yaml's serving runtime (bf16, static); trees would need a wider tiny target (batch_invariant).
     "evaluate": {"n_prompts": 3, "max_new_tokens": 8,
                  "methods": ["prompt-lookup@2", "draft-lm@2", "draft-lm+specdecpp@3", "draft-lm-suffix+specdecpp@3",
                              "aligned_head@2", "del", "cosine@2"]},

@@ -9,7 +9,8 @@ from specops.eval.evaluate import EvaluateConfig, default_method
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"methods": ["draft-lm@3", "recycling@8"]}, r"evaluate.methods: recycling@8: .*chains only"),
+    ({"methods": ["draft-lm@3", "recycling@8"], "dtype": "float32"}, r"evaluate.methods: recycling@8 drafts trees"),
+    ({"methods": ["recycling@8"], "compiled": True}, r"evaluate.methods: recycling@8: .*drop compiled"),
     ({"methods": ["draft-lm@5"], "static_width": 5}, r"draft-lm@5 drafts 5 tokens, but passes of static_width 5"),
     ({"methods": ["prompt-lookup"], "draft_tokens": 6, "static_width": 4}, r"prompt-lookup drafts 6 tokens"),
     ({"dtype": "float16"}, r"evaluate.dtype 'float16' is unknown"),
@@ -20,8 +21,9 @@ def test_a_runtime_that_cannot_run_a_method_is_refused(overrides, message):
         EvaluateConfig(**overrides)
 
 
-def test_the_dynamic_runtime_still_takes_trees():
-    assert EvaluateConfig(methods=["recycling@8", "draft-lm-tree@8"], static_width=0).methods
+def test_trees_run_on_the_dynamic_runtime_and_the_bf16_static_one():
+    assert EvaluateConfig(methods=["recycling@8", "draft-lm-tree@8"], static_width=0, dtype="float32").methods
+    assert EvaluateConfig(methods=["recycling@8", "draft-lm-tree@8"], static_width=5, draft_tokens=4).methods
 
 
 def _row(speedup: float, plain: bool, ar: bool) -> dict:
