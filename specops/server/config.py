@@ -206,4 +206,4 @@ def help_of(name: str, config: type[HttpConfig] = ServerConfig) -> str:
     """A field's help with its default, for argparse."""
     spec = next(f for f in fields(config) if f.name == name)
     default = "$SPECOPS_API_KEY" if spec.default is MISSING else spec.default
-    return f"{spec.metadata['help']} (default: {default})"
+    return f"{spec.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %

@@ -75,3 +75,15 @@ def test_corrupt_gguf_names_the_file(capsys, tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     code, _, err = run(capsys, "generate", "--target", str(bad), "--prompt", "hi")
     assert code != 0 and "broken.gguf" in err and "corrupt" in err
+
+
+def test_every_command_explains_itself(capsys):
+    """`--help` of every subcommand prints (a help text with a bare % once broke `specops serve --help`)."""
+    from specops.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name in commands:
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args([name, "--help"])
+        assert done.value.code == 0 and "usage:" in capsys.readouterr().out, name
