@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import sqlite3
 import subprocess
 import sys
@@ -173,6 +174,14 @@ def rows_logged(db: Path) -> int:
         return conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
 
 
+def observed_step_costs(url: str) -> dict[str, float | None]:
+    """What the server's batcher has observed of its passes (specops_observed_step_costs, the draft length
+    policy's step-time model under load); {} for a server that does not batch."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {name: None if value == "NaN" else float(value) for name, value in  # NaN: not observed yet
+            re.findall(r'^specops_observed_step_costs\{field="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+
+
 def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concurrency: int,
               max_tokens: int) -> tuple[dict[str, Any], list[Result]]:
     rows_before = rows_logged(server.db)
@@ -193,6 +202,8 @@ def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concur
         "ttft_p50_s": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50),
         "ttft_p99_s": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 99),
         "acceptance_rate": round(sum(r.accepted for r in ok) / drafted, 4) if drafted else None,
+        "drafted_per_token": round(drafted / tokens, 4) if tokens else None,
+        "observed_step_costs": observed_step_costs(server.url),
         "rows_logged": rows_logged(server.db) - rows_before,
         "error_samples": sorted({r.error for r in results if r.error})[:3],
         "server_5xx": sum(1 for r in results if r.error and "Error code: 5" in r.error),

@@ -40,11 +40,19 @@ the pass thread may run parallel torch work: a server's event loop that loaded t
 watcher that loaded a new version) kept a team, and the same 8-sequence pass took 52 ms on the pass
 thread against 23 ms (28 ms once the loading thread's team was gone). Such work goes through
 `on_short_thread`, whose team ends with it.
+
+Draft lengths under load (`draft_cap`, SmartSpec): the pass thread records what its batches take (each
+model's pass seconds against its rows, the wait for the sequences between batches, the draft passes per
+verified draft token), and a greedy or coupled sequence's draft is capped by the goodput those
+observations predict (specops.core.policies.step_seconds), not the start-up cost model's, which times
+transformers' forward on one sequence and the drafter alone: at 8 users a 16-row batched pass took
+~35 ms and the drafts did not pay, which the start-up model could not see.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -56,13 +64,14 @@ from typing import Any, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from specops.core.cost_model import CostModel
+from specops.core.cost_model import CostModel, DecayedRatio, PassFit, StepCosts
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
 from specops.core.types import MIN_ROWS, STATIC_BUCKET
 
 DEFAULT_WINDOW_S = 0.002  # how long a pass waits for the other sequences' passes before running without them
 IDLE_EXIT_S = 5.0  # the pass thread ends after this long without work (a swapped-out model's batcher goes quiet)
+MIN_OBSERVED = 10.0  # passes (decayed) a fit needs before draft_cap trusts it over the start-up model
 T = TypeVar("T")
 
 
@@ -126,9 +135,10 @@ class PassBatcher:
     def __init__(self, model: PreTrainedModel, window_s: float = DEFAULT_WINDOW_S,
                  on_batch: Callable[[int], None] | None = None, cost: CostModel | None = None,
                  threads: int | None = None) -> None:
-        """`cost` (the target's pass times by rows, the drafter's per token) lets each sequence shrink its
-        draft as the batch grows (`draft_cap`); without it drafts keep their policy's length. `threads`:
-        the pass thread's intra-op threads (default: every core)."""
+        """`cost` (the target's pass times by rows, the drafter's per token, measured at start-up) lets each
+        sequence shrink its draft as the batch grows (`draft_cap`) until the passes run here tell better;
+        without it drafts keep their policy's length. `threads`: the pass thread's intra-op threads (default:
+        every core)."""
         self.forward = _invariant_forward(model)  # the target's eager forward, which its sequences' StaticLMs run
         self.batched_drafts = False  # whether a draft model's passes are batched here too (forward_of)
         self.window_s = window_s
@@ -141,6 +151,13 @@ class PassBatcher:
         self._members: set[int] = set()  # threads of the sequences in their decode loop: a pass of theirs may come
         self._cohort: set[int] = set()  # threads whose passes ran in the last batch
         self._pass_s = window_s  # the last batch's duration: how long a pass waits for the last batch's sequences
+        # What draft_cap learns from the batches run here (step_costs): each model's pass times by rows, the
+        # wait between two batches per sequence (their own work: verification, streaming, drafting on their
+        # threads), and the draft passes per drafted token (a suffix front's drafts take none).
+        self.target_fit, self.draft_fit = PassFit(), PassFit()
+        self.gap, self.draft_passes = DecayedRatio(), DecayedRatio()
+        self._batch_end: float | None = None  # when the last batch ended; None once a pass alone ran since
+        self._drafting: dict[int, int] = {}  # a sequence's draft passes since its last target pass
         self._worker: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -154,6 +171,7 @@ class PassBatcher:
         finally:
             with self._cond:
                 self._members.discard(me)
+                self._drafting.pop(me, None)  # a draft that was never verified (the request ended) counts for nothing
                 self._cond.notify_all()  # the waiting passes may now be the whole set
 
     def forward_of(self, model: PreTrainedModel) -> LlamaForward:
@@ -165,15 +183,50 @@ class PassBatcher:
             self.batched_drafts = True
         return forward
 
-    def draft_cap(self, acceptance: float, max_tokens: int) -> int:
-        """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies).
-        Drafting costs one batched draft pass a token once a draft LM batches here (a server's slots all
-        draft alike), else each sequence's own drafting shares the cores."""
+    def _observed(self) -> tuple[tuple[float, float] | None, tuple[float, float] | None, float | None,
+                                 float | None]:
+        """The target's and the draft's pass lines, the wait between batches per sequence and the draft passes
+        per drafted token, each once it rests on MIN_OBSERVED observations (a line: of more than one row
+        count), else None."""
+        with self._cond:
+            return (self.target_fit.line(MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
+                    self.gap.value(MIN_OBSERVED), self.draft_passes.value(MIN_OBSERVED))
+
+    def step_costs(self, batch: int) -> StepCosts | None:
+        """What a step costs at `batch` sequences (specops.core.policies.step_seconds): each part from the
+        batches observed here once there are enough (`_observed`), else from the start-up model; None without
+        a start-up model (drafts are then not capped). The start-up model times transformers' forward on one
+        sequence and the drafter alone, not these batched passes nor the wait between them, which grow with
+        the batch."""
         if self.cost is None:
-            return max_tokens
+            return None
+        startup = StepCosts.from_startup(self.cost, self.batched_drafts)
+        target, draft, gap, passes = self._observed()
+        if target is None:
+            return startup
+        if not self.batched_drafts:  # drafting on the threads: its time so far is in the gap, beside the target's
+            return StepCosts(target, gap_s=(gap or 0.0) * batch, thread_token_s=startup.thread_token_s)
+        return StepCosts(target, draft or startup.draft, startup.draft_passes if passes is None else passes,
+                         (gap or 0.0) * batch)
+
+    def draft_cap(self, acceptance: float, max_tokens: int) -> int:
+        """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies),
+        from what this batcher's passes took lately (`step_costs`)."""
         batch = max(1, len(self._members))
-        # Drafts on the generation threads share the cores; batched here, one draft pass serves every sequence.
-        return batch_draft_length(acceptance, self.cost, batch, max_tokens, batch if self.batched_drafts else self.cores)
+        costs = self.step_costs(batch)
+        if costs is None:
+            return max_tokens
+        return batch_draft_length(acceptance, costs, batch, max_tokens, self.cores)
+
+    def observed(self) -> dict[str, float]:
+        """What the batches run here showed (NaN where not yet): each model's pass seconds and seconds per
+        row, the wait between batches per sequence, and the draft passes per drafted token."""
+        target, draft, gap, passes = self._observed()
+        values = {"gap_per_sequence_s": math.nan if gap is None else gap,
+                  "draft_passes_per_token": math.nan if passes is None else passes}
+        for name, line in (("target", target), ("draft", draft)):
+            values[f"{name}_pass_s"], values[f"{name}_row_s"] = line or (math.nan, math.nan)
+        return values
 
     def run(self, segment: Segment, forward: LlamaForward | None = None, head: bool = True,
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,14 +301,27 @@ class PassBatcher:
             return alone[:1], 0.0
         return [], wait
 
+    def _count_drafts(self, due: list[_Pass]) -> None:
+        """Each sequence's draft passes since its last target pass, against the tokens that target pass
+        verifies (its rows but the last committed token's); holding the lock."""
+        for p in due:
+            if p.forward is not self.forward:
+                self._drafting[p.thread] = self._drafting.get(p.thread, 0) + 1
+            else:
+                self.draft_passes.add(self._drafting.pop(p.thread, 0), p.work.ids.shape[0] - 1)  # type: ignore[union-attr]
+
     def _execute(self, due: list[_Pass]) -> None:
         """Run `due` (called holding the lock, which it releases meanwhile)."""
         self._pending = [p for p in self._pending if p not in due]
         batched = not due[0].alone
-        if batched:
-            self._cohort = {p.thread for p in due}
-        self._cond.release()
         began = time.monotonic()
+        if batched:
+            cohort = {p.thread for p in due}
+            if self._batch_end is not None and cohort <= self._cohort:  # the same sequences, back from their work
+                self.gap.add(began - self._batch_end, len(cohort))
+            self._cohort = cohort
+        timed: list[tuple[PassFit, int, float]] = []  # (fit, rows, seconds) of each model's pass
+        self._cond.release()
         try:
             with torch.inference_mode():
                 if batched:  # one pass per model (and head): the target's, and a draft LM's when batched here
@@ -267,7 +333,11 @@ class PassBatcher:
                         assert forward is not None
                         if self.on_batch is not None and forward is self.forward:
                             self.on_batch(len(members))
+                        start = time.monotonic()
                         results = forward.forward_many([p.work for p in members], members[0].head)  # type: ignore[misc]
+                        rows = sum(p.work.ids.shape[0] for p in members)  # type: ignore[union-attr]
+                        timed.append((self.target_fit if forward is self.forward else self.draft_fit, rows,
+                                      time.monotonic() - start))
                         for p, result in zip(members, results, strict=True):
                             p.result = result
                 else:
@@ -277,8 +347,14 @@ class PassBatcher:
                 p.error = error
         finally:
             self._cond.acquire()
+            for fit, rows, seconds in timed:
+                fit.add(rows, seconds)
             if batched:
-                self._pass_s = time.monotonic() - began
+                self._count_drafts(due)
+            end = time.monotonic()
+            self._batch_end = end if batched else None
+            if batched:
+                self._pass_s = end - began
             for p in due:
                 p.done = True
             self._cond.notify_all()

@@ -4,6 +4,10 @@ SmartSpec (Liu et al., arXiv 2406.14066) picks the draft length from predicted s
 that drafts k tokens costs k draft forwards plus one target pass over k + 1 tokens (the last
 committed token and the draft). `measure_cost_model` times both at start-up; `CostModel` is plain
 data so tests build one by hand.
+
+A server that batches its passes (specops.core.batching) learns its costs while serving instead:
+`PassFit` follows what its passes take, and `StepCosts` is what SmartSpec's goodput under load needs
+(specops.core.policies.batch_draft_length), from those fits or, until they exist, from the start-up model.
 """
 
 from __future__ import annotations
@@ -55,6 +59,91 @@ class CostModel:
     def step_time(self, k: int) -> float:
         """Seconds of one step drafting k tokens: k draft forwards, one target pass over k + 1 tokens."""
         return k * self.draft_token_s + self.verify_time(k + 1)
+
+
+@dataclass
+class PassFit:
+    """The seconds of a pass as a line in its rows, fitted by least squares to the passes recorded so far,
+    each weighted `decay` ** (passes recorded after it), so the fit follows roughly the last
+    1 / (1 - decay) passes: cache lengths grow, and other work on the machine comes and goes.
+
+    A line because on a CPU a pass reads every weight once whatever its rows (the intercept: a fixed cost
+    per pass, which one more drafted token per sequence adds again when it costs a pass of its own) and
+    computes each row's products (the slope, which makes long drafts expensive once a batch has many
+    rows). The running sums are all it keeps."""
+
+    decay: float = 0.98
+    weight: float = 0.0  # decayed count of passes, then decayed sums of rows, seconds, rows**2, rows * seconds
+    rows: float = 0.0
+    seconds: float = 0.0
+    rows2: float = 0.0
+    rows_seconds: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self.weight = d * self.weight + 1.0
+        self.rows = d * self.rows + rows
+        self.seconds = d * self.seconds + seconds
+        self.rows2 = d * self.rows2 + rows * rows
+        self.rows_seconds = d * self.rows_seconds + rows * seconds
+
+    def line(self, min_weight: float = 1.0) -> tuple[float, float] | None:
+        """(intercept, slope): seconds = intercept + slope * rows; None before `min_weight` passes or while
+        every pass had the same rows (no slope to see). Neither is negative: timing noise can tilt the line,
+        but no pass takes less than no time, nor less for more rows."""
+        if self.weight < min_weight:
+            return None
+        mean_rows, mean_s = self.rows / self.weight, self.seconds / self.weight
+        spread = self.rows2 / self.weight - mean_rows**2
+        if spread < 1e-6:
+            return None
+        slope = max(0.0, (self.rows_seconds / self.weight - mean_rows * mean_s) / spread)
+        intercept = mean_s - slope * mean_rows
+        if intercept < 0:  # through the origin instead
+            return 0.0, self.rows_seconds / self.rows2
+        return intercept, slope
+
+
+@dataclass
+class DecayedRatio:
+    """sum(decay ** age * numerator) / sum(decay ** age * denominator) over the recorded pairs: a rate that
+    follows roughly the last 1 / (1 - decay) records."""
+
+    decay: float = 0.98
+    numerator: float = 0.0
+    denominator: float = 0.0
+
+    def add(self, numerator: float, denominator: float) -> None:
+        self.numerator = self.decay * self.numerator + numerator
+        self.denominator = self.decay * self.denominator + denominator
+
+    def value(self, min_denominator: float = 1.0) -> float | None:
+        """None until the decayed denominator reaches `min_denominator`."""
+        return self.numerator / self.denominator if self.denominator >= min_denominator else None
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one step of a batch of sequences takes (SmartSpec under load: specops.core.policies.step_seconds)."""
+
+    target: tuple[float, float]  # a target pass: (seconds, seconds per row)
+    draft: tuple[float, float] = (0.0, 0.0)  # a batched draft-LM pass, likewise
+    draft_passes: float = 0.0  # batched draft passes per drafted token (1: a draft LM; 0: drafts on threads)
+    gap_s: float = 0.0  # between two passes: the sequences' own work (verification, streaming, drafting on threads)
+    # A drafted token's seconds on a generation thread (an observed gap_s holds the drafting of the moment too).
+    thread_token_s: float = 0.0
+
+    @classmethod
+    def from_startup(cls, cost: CostModel, batched_drafts: bool) -> StepCosts:
+        """The start-up model's: its target times as a line; a drafted token as one batched draft pass of its
+        time, or as its time on a generation thread."""
+        fit = PassFit(decay=1.0)
+        for tokens, seconds in cost.verify_s:
+            fit.add(tokens, seconds)
+        target = fit.line() or (cost.verify_s[0][1], 0.0)  # one measured size: no slope
+        if batched_drafts:
+            return cls(target, (cost.draft_token_s, 0.0), draft_passes=1.0)
+        return cls(target, thread_token_s=cost.draft_token_s)
 
 
 def _ids(n: int) -> list[int]:

@@ -7,10 +7,11 @@ The planner chooses, within the ceilings the operator configured,
   * the context (prompt + max_tokens) every slot holds,
 so that the memory model's peak (specops.core.memory) stays within the budget.
 
-Objective: the most predicted goodput, SmartSpec's (arXiv 2406.14066) under load as
-specops.core.policies.batch_draft_length states it: B generations each committing E[tokens | draft]
-per step, over one step's time (their drafting spread over the cores, plus one batched target pass over
-B x rows rows, from the measured cost model). Memory is a constraint, not a term: among the plans that
+Objective: the most predicted goodput, SmartSpec's (arXiv 2406.14066) under load as the start-up cost
+model can state it: B generations each committing E[tokens | draft] per step, over one step's time
+(their drafting spread over the cores, plus one batched target pass over B x rows rows). While serving,
+the batcher sets each step's draft length from the passes it observes instead
+(specops.core.policies.step_seconds); the plan only sizes the memory for the longest. Memory is a constraint, not a term: among the plans that
 hold `min_context` tokens per slot, the one with the best goodput wins (ties: less memory, then fewer
 slots and shorter drafts); its context is then grown to the largest that still fits, up to
 `max_context`. Per-slot memory is linear in the slots and monotone in the context, so the planner

@@ -43,7 +43,7 @@ from specops.core.types import PRIOR_ACCEPTANCE, PRIOR_TOKENS
 
 # Annotations only: the CLI imports POLICIES to build its parser, which must stay free of torch.
 if TYPE_CHECKING:
-    from specops.core.cost_model import CostModel
+    from specops.core.cost_model import CostModel, StepCosts
     from specops.core.drafter import TokenStop, TokenTrim
 
 
@@ -165,16 +165,32 @@ def best_draft_length(acceptance: float, cost: CostModel, max_tokens: int) -> in
     return max(range(1, max_tokens + 1), key=lambda k: (expected_tokens(acceptance, k) / cost.step_time(k), -k))
 
 
-def batch_draft_length(acceptance: float, cost: CostModel, batch: int, max_tokens: int, parallel: int) -> int:
+def step_seconds(costs: StepCosts, batch: int, k: int, cores: int) -> float:
+    """Seconds of one step of `batch` sequences each drafting k tokens. The batcher runs one pass of every
+    sequence at a time, whichever model's (a round), then waits `gap_s` for the sequences' own work, so a
+    step takes 1 + d * k rounds, d the batched draft passes per drafted token (1 for a draft LM, 0 for
+    drafts on the generation threads, which take `thread_token_s` a token, `cores` threads at a time).
+
+    The sequences' rounds are out of phase (each ends its draft where its stop rule says), so a round runs
+    the target's pass when any sequence verifies in it, P = 1 - (1 - 1 / rounds) ** batch, and the draft's
+    when any drafts, P = 1 - (1 / rounds) ** batch, each paying its pass's fixed seconds; a step's rows
+    (k + 1 target rows and d * k draft rows a sequence) spread over its rounds. So once several sequences
+    run, a drafted token that costs a draft pass costs nearly a whole target pass's fixed part; at one
+    sequence the rounds cannot clash and only the draft pass is paid."""
+    rounds = 1.0 + costs.draft_passes * k
+    verifying, drafting = 1.0 - (1.0 - 1.0 / rounds) ** batch, 1.0 - (1.0 / rounds) ** batch
+    rows_s = batch * ((k + 1) * costs.target[1] + costs.draft_passes * k * costs.draft[1])
+    threads_s = k * costs.thread_token_s * max(1.0, batch / cores)
+    return rounds * (costs.gap_s + verifying * costs.target[0] + drafting * costs.draft[0]) + rows_s + threads_s
+
+
+def batch_draft_length(acceptance: float, costs: StepCosts, batch: int, max_tokens: int, cores: int) -> int:
     """SmartSpec under load (arXiv 2406.14066): the draft length k in 0..max_tokens maximizing the batch's
-    goodput when each of `batch` sequences drafts k tokens: batch * E[tokens | k] over one step's time,
-    the sequences' drafting (`parallel` of them at once: the cores when each drafts on its own thread, the
-    whole batch when one batched draft pass serves them all) plus one batched target pass over
-    batch * (k + 1) rows. While passes are nearly free a long draft pays; once rows cost, k shrinks, down
-    to 0 (no drafting)."""
+    goodput, batch * E[tokens | k] / `step_seconds` (the smallest k on ties). While a step's passes cost
+    little more for more rows and drafts a long draft pays; once rows or rounds cost, k shrinks, down to 0
+    (no drafting)."""
     def goodput(k: int) -> float:
-        drafting = k * cost.draft_token_s * max(1.0, batch / parallel)
-        return batch * expected_tokens(acceptance, k) / (drafting + cost.verify_time(batch * (k + 1)))
+        return batch * expected_tokens(acceptance, k) / step_seconds(costs, batch, k, cores)
 
     return max(range(max_tokens + 1), key=lambda k: (goodput(k), -k))
 

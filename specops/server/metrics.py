@@ -67,6 +67,11 @@ class ServerMetrics:
                                       "finished request, from its first token.", buckets=RATE_BUCKETS, registry=r)
         self.draft_length = Histogram("specops_draft_length", "Tokens drafted per step, as the draft length "
                                       "policy chose them.", buckets=DRAFT_BUCKETS, registry=r)
+        self.step_costs = Gauge("specops_observed_step_costs", "What the batched passes took lately, as the draft "
+                                "length policy weighs it under load (NaN until observed): target_pass_s and "
+                                "target_row_s (a target pass's seconds and seconds per row), draft_pass_s and "
+                                "draft_row_s likewise, gap_per_sequence_s (the wait between batches per sequence), "
+                                "draft_passes_per_token.", ["field"], registry=r)
         self.bundle_info = Gauge("specops_bundle_info", "The model being served (value 1); version is the bundle "
                                  "hash, model_version the registry version.", ["version", "model_version", "drafter"],
                                  registry=r)
@@ -88,6 +93,11 @@ class ServerMetrics:
         self.resident = Gauge("specops_resident_memory_bytes", "The server process's resident memory (VmRSS).",
                               registry=self.registry)
         self.resident.set_function(resident_bytes)
+
+    def watch_step_costs(self, observed: Callable[[], dict[str, float]]) -> None:
+        """Read the serving batcher's observed costs (specops.core.batching.PassBatcher.observed) at each scrape."""
+        for name in observed():
+            self.step_costs.labels(field=name).set_function(lambda name=name: observed()[name])
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)

@@ -199,7 +199,8 @@ class GenerationWorker:
         """The forks of `model`'s generator: one per slot, batched, when it batches exactly; else one."""
         batcher = None
         if self._slots > 1 and model.generator.batchable:
-            # Pass times up to a full batch's rows, so drafts shrink where rows stop being free (SmartSpec).
+            # Pass times up to a full batch's rows, so drafts shrink where rows stop being free (SmartSpec), until
+            # the batcher has timed enough of its own passes (PassBatcher.step_costs).
             sizes = tuple(sorted({1, 2, 4, 8, 16, self._slots * model.generator.config.static_width}))
             batcher = PassBatcher(model.target.model, self._window_s,
                                   on_batch=self._metrics.batch_size.observe, threads=self._cores)
@@ -207,6 +208,7 @@ class GenerationWorker:
             # Timed on the pass thread, where the passes will run (the drafter too, on all cores there,
             # while serving drafts on one: under load its steps take longer than this says).
             batcher.cost = batcher.call(lambda: measure_cost_model(model.target.model, drafter, sizes=sizes))
+            self._metrics.watch_step_costs(batcher.observed)
         elif self._slots > 1:
             log.warning("The model's runtime cannot batch passes exactly (it needs the eager static runtime in "
                         "bfloat16, static_width > 0 and compiled off, and a model large enough that every product "

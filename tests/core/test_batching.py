@@ -5,20 +5,21 @@ products change with the row count, changes rows."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from specops.core.batching import PassBatcher, batch_invariant
-from specops.core.cost_model import CostModel
+from specops.core.cost_model import CostModel, PassFit
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.loop import SpeculativeGenerator
-from specops.core.policies import batch_draft_length
 from specops.core.target import target_from_model
 from specops.core.types import SamplingParams, static_cache_length
 from specops.drafters.draft_lm import DraftLMDrafter
@@ -162,25 +163,107 @@ def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch):
     assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
 
 
-def brute_force_draft_length(acceptance: float, cost: CostModel, batch: int, max_tokens: int, cores: int) -> int:
-    best, best_goodput = 0, -1.0
-    for k in range(max_tokens + 1):
-        tokens = sum(acceptance ** i for i in range(k + 1))
-        seconds = k * cost.draft_token_s * max(1.0, batch / cores) + cost.verify_time(batch * (k + 1))
-        if batch * tokens / seconds > best_goodput:
-            best, best_goodput = k, batch * tokens / seconds
-    return best
+@contextlib.contextmanager
+def decoding(batcher: PassBatcher, sequences: int) -> Iterator[None]:
+    """`sequences` threads in their decode loop (batcher.sequence()) while inside, as a server's slots are."""
+    entered, leave = threading.Barrier(sequences + 1), threading.Event()
+
+    def sequence() -> None:
+        with batcher.sequence():
+            entered.wait()
+            leave.wait()
+
+    threads = [threading.Thread(target=sequence) for _ in range(sequences)]
+    for thread in threads:
+        thread.start()
+    entered.wait()
+    try:
+        yield
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join()
 
 
-def test_drafts_shrink_as_the_batch_grows_down_to_none():
-    # Passes nearly free up to 16 rows, then linear in rows (the bf16 shape measured on this CPU).
-    cost = CostModel(draft_token_s=0.002, verify_s=((1, 0.020), (8, 0.022), (16, 0.026), (64, 0.080)))
-    for batch in (1, 2, 4, 8, 16, 32):
-        for acceptance in (0.3, 0.6, 0.9):
-            assert batch_draft_length(acceptance, cost, batch, 4, parallel=2) == \
-                brute_force_draft_length(acceptance, cost, batch, 4, cores=2)
-    lengths = [batch_draft_length(0.6, cost, batch, 4, parallel=2) for batch in (1, 4, 16, 32)]
-    assert lengths == sorted(lengths, reverse=True) and lengths[0] >= 3 and lengths[-1] == 0
+def observe(batcher: PassBatcher, target: tuple[float, float], passes: int = 200) -> None:
+    """Record target passes of 1 to 80 rows taking target[0] + target[1] * rows seconds (as the pass thread
+    records its own), and a 1 ms wait per sequence between them."""
+    for i in range(passes):
+        rows = 1 + i % 80
+        batcher.target_fit.add(rows, target[0] + target[1] * rows)
+        batcher.gap.add(0.001 * 8, 8)
+
+
+FLAT = CostModel(draft_token_s=0.0002, verify_s=((1, 0.020), (16, 0.0201), (80, 0.0205)))  # start-up: rows free
+
+
+def test_drafts_follow_the_observed_passes_down_to_none_and_back():
+    """Model-free drafts (prompt lookup: on the threads) with a start-up model whose passes are flat, which
+    alone keeps 8 sequences drafting; once the passes run here are compute-bound (linear in rows, as bf16
+    passes are on this CPU past a few rows), drafts stop; once they are flat again, drafts come back. A
+    draft_cap that ignores what it observes fails the middle step."""
+    batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=FLAT)
+    with decoding(batcher, 8):
+        assert batcher.draft_cap(0.7, 4) == 4
+        observe(batcher, (0.002, 0.003))
+        assert batcher.draft_cap(0.7, 4) == 0
+        observe(batcher, (0.020, 0.00001))
+        assert batcher.draft_cap(0.7, 4) == 4
+
+
+def test_a_batched_draft_lm_drafts_alone_and_stops_under_load():
+    """The passes as measured on this CPU (SmolLM2 bf16 target: ~20 ms + 0.6 ms a row; its 2-layer draft:
+    ~1.5 ms a pass), a draft pass per drafted token: one sequence drafts, since its draft passes are cheap;
+    at 8 and 16 sequences drafting stops, since out of phase nearly every round runs a target pass. Where the
+    drafts cost no draft pass (a suffix front drafting every step), 16 sequences still draft."""
+    batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=FLAT)
+    batcher.batched_drafts = True  # as forward_of(draft model) sets it
+    observe(batcher, (0.020, 0.0006))
+    for rows in (1, 4, 8, 16):
+        batcher.draft_fit.add(rows, 0.0015 + 0.0001 * rows)
+    lengths = {}
+    for sequences in (1, 8, 16):
+        with decoding(batcher, sequences):
+            lengths[sequences] = batcher.draft_cap(0.7, 4)
+    assert lengths[1] >= 2 and lengths[8] == lengths[16] == 0
+    for _ in range(100):
+        batcher.draft_passes.add(0, 4)  # four drafted tokens and no draft pass
+    with decoding(batcher, 16):
+        assert batcher.draft_cap(0.7, 4) > 0
+
+
+def test_the_pass_thread_records_its_passes():
+    """Three greedy generations through one batcher: the target fit holds every batched target pass's rows,
+    in order (a reference fit fed the rows seen by forward_many), and the draft LM's passes per drafted token
+    lie in (0.5, 1] (one per token, but the first of each request comes from its prompt's feed, run alone)."""
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
+    draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)
+    batcher = PassBatcher(target.model, window_s=0.05)
+    reference = PassFit()
+    original = LlamaForward.forward_many
+
+    def logging(self, segments, head=True):
+        if self is batcher.forward:
+            reference.add(sum(s.ids.shape[0] for s in segments), 0.0)
+        return original(self, segments, head)
+
+    def run(prompt: list[int]) -> None:
+        drafter = DraftLMDrafter(draft, target.vocab_size)
+        SpeculativeGenerator(target, drafter, "greedy", 3, static_width=WIDTH, batcher=batcher).generate(prompt, 16)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LlamaForward, "forward_many", logging)
+        threads = [threading.Thread(target=run, args=(prompt,)) for prompt in PROMPTS[:3]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert batcher.target_fit.weight == pytest.approx(reference.weight) and reference.weight > 0
+    assert batcher.target_fit.rows == pytest.approx(reference.rows)
+    assert 0.5 < batcher.draft_passes.value() <= 1.0
+    assert batcher.gap.denominator > 0 and batcher.draft_fit.weight > 0
+    assert set(batcher.observed()) == {"target_pass_s", "target_row_s", "draft_pass_s", "draft_row_s",
+                                       "gap_per_sequence_s", "draft_passes_per_token"}
 
 
 def lone_rows_equal_packed(model) -> bool:

@@ -57,6 +57,7 @@ def test_concurrent_requests_are_bitwise_what_they_are_alone(start_server, bf16_
     batches = metric(text, "specops_batch_size_count")
     single = metric(text, "specops_batch_size_bucket", 'le="1.0"')
     assert batches > single > 0  # some passes ran alone (the requests one by one), others packed
+    assert metric(text, "specops_observed_step_costs", 'field="target_pass_s"') > 0  # learned from those passes
     assert live.state.feedback.count() == 2 * len(requests)
 
 

@@ -1,0 +1,127 @@
+"""The step-time model SmartSpec weighs under load, against plain references: the decayed pass fit against
+numpy's weighted least squares, the decayed ratio against its sums, and the out-of-phase rounds of
+`step_seconds` against an enumeration of every phase the batch's sequences can be in."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from specops.core.cost_model import CostModel, DecayedRatio, PassFit, StepCosts
+from specops.core.policies import batch_draft_length, expected_tokens, step_seconds
+
+
+def reference_line(passes: list[tuple[int, float]], decay: float) -> tuple[float, float]:
+    """Weighted least squares, pass i weighted decay ** (passes after it); numpy weights residuals by w,
+    so w is the square root of the weight."""
+    rows, seconds = np.array(passes, dtype=float).T
+    weights = decay ** np.arange(len(passes) - 1, -1, -1)
+    slope, intercept = np.polyfit(rows, seconds, 1, w=np.sqrt(weights))
+    return float(intercept), float(slope)
+
+
+def test_the_fit_is_decayed_weighted_least_squares():
+    rng = random.Random(0)
+    passes = [(rows, 0.02 + 0.0006 * rows + rng.uniform(-0.002, 0.002)) for rows in
+              (rng.randint(1, 80) for _ in range(200))]
+    fit = PassFit(decay=0.97)
+    for rows, seconds in passes:
+        fit.add(rows, seconds)
+    assert fit.line() == pytest.approx(reference_line(passes, 0.97), rel=1e-6)
+
+
+def test_the_fit_follows_recent_passes():
+    """Passes that got four times as expensive per row: the decayed fit moves to the new slope; an undecayed
+    one (the control) stays in between."""
+    old = [(rows, 0.02 + 0.0005 * rows) for rows in range(1, 41)] * 5
+    new = [(rows, 0.02 + 0.002 * rows) for rows in range(1, 41)] * 5
+    decayed, undecayed = PassFit(decay=0.97), PassFit(decay=1.0)
+    for rows, seconds in old + new:
+        decayed.add(rows, seconds)
+        undecayed.add(rows, seconds)
+    assert decayed.line() == pytest.approx((0.02, 0.002), rel=1e-2)  # 0.97 ** 200 of the old passes left
+    assert undecayed.line()[1] == pytest.approx(0.00125, rel=1e-3)
+
+
+def test_the_fit_waits_for_enough_passes_of_more_than_one_size():
+    fit = PassFit()
+    for _ in range(50):
+        fit.add(8, 0.03)
+    assert fit.line(10) is None  # one row count: no slope to see
+    fit.add(16, 0.04)
+    assert fit.line(100) is None  # too few passes
+    assert fit.line(10) is not None
+
+
+def test_the_fit_never_goes_negative():
+    falling = PassFit(decay=1.0)  # noise that makes more rows look cheaper: flat instead
+    for rows, seconds in ((4, 0.030), (8, 0.029), (16, 0.028)):
+        falling.add(rows, seconds)
+    assert falling.line() == pytest.approx((0.029, 0.0))
+    steep = PassFit(decay=1.0)  # a line that would cross zero above no rows: through the origin instead
+    for rows, seconds in ((10, 0.001), (20, 0.030)):
+        steep.add(rows, seconds)
+    intercept, slope = steep.line()
+    assert intercept == 0.0 and slope == pytest.approx((10 * 0.001 + 20 * 0.030) / (10**2 + 20**2))
+
+
+def test_decayed_ratio_is_its_decayed_sums():
+    pairs = [(3, 4), (0, 2), (5, 5), (1, 3)]
+    ratio = DecayedRatio(decay=0.5)
+    for numerator, denominator in pairs:
+        ratio.add(numerator, denominator)
+    weights = [0.5**3, 0.5**2, 0.5, 1.0]
+    assert ratio.value() == pytest.approx(sum(w * n for w, (n, _) in zip(weights, pairs, strict=True))
+                                          / sum(w * d for w, (_, d) in zip(weights, pairs, strict=True)))
+    assert ratio.value(min_denominator=100) is None
+
+
+def enumerated_step_seconds(costs: StepCosts, batch: int, k: int, cores: int) -> float:
+    """`step_seconds` by brute force, for draft_passes 0 or 1: every assignment of the sequences to a phase of
+    their step (phase 0 verifies, the others draft), equally likely; a round pays the gap, and each model's
+    fixed seconds when any sequence runs a pass of it."""
+    rounds = 1 + int(costs.draft_passes) * k
+    fixed = 0.0
+    for phases in itertools.product(range(rounds), repeat=batch):
+        fixed += costs.gap_s + costs.target[0] * any(p == 0 for p in phases) + costs.draft[0] * any(p for p in phases)
+    fixed *= rounds / rounds**batch  # the mean round, `rounds` times
+    rows = batch * ((k + 1) * costs.target[1] + costs.draft_passes * k * costs.draft[1])
+    return fixed + rows + k * costs.thread_token_s * max(1.0, batch / cores)
+
+
+COSTS = [StepCosts((0.020, 0.0006), (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002),  # a batched draft LM
+         StepCosts((0.020, 0.0001), (0.0005, 0.0), draft_passes=1.0),  # flat passes, cheap draft passes
+         StepCosts((0.020, 0.0020), gap_s=0.004, thread_token_s=0.001)]  # drafts on the threads, costly rows
+
+
+@pytest.mark.parametrize("costs", COSTS)
+def test_step_seconds_is_the_mean_over_the_sequences_phases(costs):
+    for batch, k in itertools.product((1, 2, 3, 4), range(5)):
+        assert step_seconds(costs, batch, k, cores=2) == pytest.approx(enumerated_step_seconds(costs, batch, k, 2))
+
+
+@pytest.mark.parametrize("costs", COSTS)
+def test_the_draft_length_maximizes_the_enumerated_goodput(costs):
+    for batch, acceptance in itertools.product((1, 2, 3, 4), (0.3, 0.6, 0.9)):
+        goodputs = [batch * expected_tokens(acceptance, k) / enumerated_step_seconds(costs, batch, k, 2)
+                    for k in range(5)]
+        assert batch_draft_length(acceptance, costs, batch, 4, cores=2) == goodputs.index(max(goodputs))
+
+
+def test_one_sequence_pays_its_draft_passes_and_one_target_pass():
+    costs = COSTS[0]
+    k = 3
+    passes = k * (costs.draft[0] + costs.draft[1]) + costs.target[0] + (k + 1) * costs.target[1]
+    assert step_seconds(costs, 1, k, cores=2) == pytest.approx(passes + (k + 1) * costs.gap_s)
+
+
+def test_the_startup_model_is_a_line_through_its_times():
+    cost = CostModel(draft_token_s=0.004, verify_s=((1, 0.021), (4, 0.024), (16, 0.036)))
+    batched = StepCosts.from_startup(cost, batched_drafts=True)
+    assert batched.target == pytest.approx((0.020, 0.001))
+    assert (batched.draft, batched.draft_passes, batched.thread_token_s) == ((0.004, 0.0), 1.0, 0.0)
+    threads = StepCosts.from_startup(cost, batched_drafts=False)
+    assert (threads.draft_passes, threads.thread_token_s) == (0.0, 0.004)
