@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -209,13 +209,16 @@ class PassBatcher:
         return StepCosts(target, draft or startup.draft, startup.draft_passes if passes is None else passes,
                          (gap or 0.0) * batch)
 
-    def draft_cap(self, acceptance: float, max_tokens: int) -> int:
+    def draft_cap(self, acceptance: float, max_tokens: int, free: bool = False) -> int:
         """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies),
-        from what this batcher's passes took lately (`step_costs`)."""
+        from what this batcher's passes took lately (`step_costs`). `free`: for a draft that costs no model
+        pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass."""
         batch = max(1, len(self._members))
         costs = self.step_costs(batch)
         if costs is None:
             return max_tokens
+        if free:
+            costs = replace(costs, draft_passes=0.0, thread_token_s=0.0)
         return batch_draft_length(acceptance, costs, batch, max_tokens, self.cores)
 
     def observed(self) -> dict[str, float]:
@@ -303,12 +306,13 @@ class PassBatcher:
 
     def _count_drafts(self, due: list[_Pass]) -> None:
         """Each sequence's draft passes since its last target pass, against the tokens that target pass
-        verifies (its rows but the last committed token's); holding the lock."""
+        verifies (its rows but the last committed token's), for drafts that ran a draft model (free drafts
+        have their own cap: draft_cap's `free`); holding the lock."""
         for p in due:
             if p.forward is not self.forward:
                 self._drafting[p.thread] = self._drafting.get(p.thread, 0) + 1
-            else:
-                self.draft_passes.add(self._drafting.pop(p.thread, 0), p.work.ids.shape[0] - 1)  # type: ignore[union-attr]
+            elif passes := self._drafting.pop(p.thread, 0):
+                self.draft_passes.add(passes, p.work.ids.shape[0] - 1)  # type: ignore[union-attr]
 
     def _execute(self, due: list[_Pass]) -> None:
         """Run `due` (called holding the lock, which it releases meanwhile)."""

@@ -87,6 +87,11 @@ class Drafter(Protocol):
         With `stop` (only when predicts_acceptance), the draft also ends after the first token for which
         stop(acceptance probabilities so far) is True."""
 
+    def free_draft(self, context: list[int], k: int) -> Draft | None:
+        """The draft `propose` would make here if it costs no model pass (a suffix front's), else None; only
+        drafters that draft both ways have one. Under load the batcher caps drafts that cost passes harder
+        than free ones (specops.core.batching.PassBatcher.draft_cap), and the loop then takes this one."""
+
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         """See the target's logits [n, V] at the tokens [n] of a verify pass (Token Recycling learns here)."""
 
@@ -115,6 +120,9 @@ class DrafterBase:
 
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
         pass
+
+    def free_draft(self, context: list[int], k: int) -> Draft | None:
+        return None
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         pass

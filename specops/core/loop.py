@@ -219,15 +219,18 @@ class SpeculativeGenerator:
                     k = min(self.policy.draft_length(), max_new_tokens - stats.new_tokens - 1)
                     if self.static_width:
                         k = min(k, self.static_width - 1)  # a pass verifies at most width - 1 drafts
+                    free_k = k
                     if self.batcher is not None and (sampling.greedy or coupled):
-                        # Under load drafts shrink as the batch grows. Greedy and coupled output is the target's
-                        # own draw whatever the draft; a rejection-sampled one depends on the draft, so its
-                        # length must not depend on what else is running (the request would not be reproducible).
+                        # Under load drafts shrink as the batch grows, those that cost draft passes first. Greedy
+                        # and coupled output is the target's own draw whatever the draft; a rejection-sampled one
+                        # depends on the draft, so its length must not depend on what else is running (the
+                        # request would not be reproducible).
+                        free_k = min(k, self.batcher.draft_cap(stats.running_acceptance, k, free=True))
                         k = min(k, self.batcher.draft_cap(stats.running_acceptance, k))
                     tick = time.perf_counter()
                     if isinstance(generator, PositionNoise):
                         generator = generator.shifted(len(context))  # row 0: the next position to fill
-                    draft = self._propose(context, k, sampling, generator)
+                    draft = self._propose(context, k, free_k, sampling, generator)
                     if self.policy.trim is not None and draft.accept_probs and (sampling.greedy or coupled):
                         # Greedy and coupled only: a trim looks at each token's predicted acceptance, which
                         # depends on the token itself, so under rejection or block sampling it would choose
@@ -274,9 +277,16 @@ class SpeculativeGenerator:
         out.stats.total_s = time.perf_counter() - start
         return new, stop is not None
 
-    def _propose(self, context: list[int], k: int, sampling: SamplingParams,
+    def _propose(self, context: list[int], k: int, free_k: int, sampling: SamplingParams,
                  generator: torch.Generator | PositionNoise) -> Draft:
-        if self.drafter is None or k <= 0:
+        """A draft of up to k tokens, or of up to free_k (> k under load) if it costs no model pass."""
+        if self.drafter is None:
+            return EMPTY
+        if free_k > k:
+            draft = self.drafter.free_draft(context, free_k)
+            if draft is not None:
+                return draft
+        if k <= 0:
             return EMPTY
         # Only drafters with an acceptance head take a stop rule (checked in __init__).
         return self.drafter.propose(context, k, sampling, generator, stop=self.policy.stop)

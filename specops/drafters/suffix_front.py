@@ -70,12 +70,19 @@ class SuffixFrontDrafter(DrafterBase):
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:
+        draft = self.free_draft(context, k)
+        if draft is not None:
+            return draft
+        self.back_steps += 1
+        return self.back.propose(context, k, sampling, generator, stop)
+
+    def free_draft(self, context: list[int], k: int) -> Draft | None:
+        """The suffix tries' draft when they expect at least min_score of its tokens accepted."""
         draft, score = self.front.scored(context, k)
         if draft.tokens and score >= self.min_score:
             self.front_steps += 1
             return draft
-        self.back_steps += 1
-        return self.back.propose(context, k, sampling, generator, stop)
+        return None
 
     def finish(self, context: list[int]) -> None:
         self.front.finish(context)

@@ -24,6 +24,8 @@ from specops.core.target import target_from_model
 from specops.core.types import SamplingParams, static_cache_length
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.prompt_lookup import PromptLookupDrafter
+from specops.drafters.suffix import SuffixCache, SuffixDrafter
+from specops.drafters.suffix_front import SuffixFrontDrafter
 from tests.conftest import tiny_llama, tiny_tokenizer
 
 HIDDEN = 96  # a test model wide enough that every product runs on oneDNN (batch_invariant)
@@ -226,10 +228,37 @@ def test_a_batched_draft_lm_drafts_alone_and_stops_under_load():
         with decoding(batcher, sequences):
             lengths[sequences] = batcher.draft_cap(0.7, 4)
     assert lengths[1] >= 2 and lengths[8] == lengths[16] == 0
-    for _ in range(100):
-        batcher.draft_passes.add(0, 4)  # four drafted tokens and no draft pass
     with decoding(batcher, 16):
-        assert batcher.draft_cap(0.7, 4) > 0
+        assert batcher.draft_cap(0.7, 4, free=True) > 0  # a draft that runs no draft pass (a suffix front's)
+
+
+def test_under_load_a_suffix_front_drafts_for_free_while_its_draft_lm_rests(monkeypatch):
+    """With the passes observed where a draft LM's drafts stop paying (16 sequences), the suffix front's free
+    drafts still pass the cap: the front drafts, the draft LM does not, and the output is plain decoding's.
+    Mutant that must fail: free drafts capped like paid ones (then nothing drafts)."""
+    original = PassBatcher.draft_cap
+
+    def run(patched: bool) -> tuple[int, int, list[int], list[int]]:
+        target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
+        draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)
+        batcher = PassBatcher(target.model, cost=FLAT)
+        observe(batcher, (0.020, 0.0006))
+        front = SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
+                                   DraftLMDrafter(draft, target.vocab_size), 1.0)
+        prompt = PROMPTS[3]  # a repeating prompt: the suffix tries match from the start
+        plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH).generate(prompt, 24).token_ids
+        with monkeypatch.context() as patch:
+            if patched:
+                patch.setattr(PassBatcher, "draft_cap", lambda self, a, k, free=False: original(self, a, k))
+            with decoding(batcher, 15):  # 15 others in their decode loop, this one the 16th
+                batcher.batched_drafts = True  # as the draft LM's forward_of sets it, before its first pass
+                spec = SpeculativeGenerator(target, front, "greedy", WIDTH - 1, static_width=WIDTH, batcher=batcher)
+                tokens = spec.generate(prompt, 24).token_ids
+        return front.front_steps, front.back_steps, tokens, plain
+
+    front_steps, back_steps, tokens, plain = run(patched=False)
+    assert front_steps > 0 and back_steps == 0 and tokens == plain
+    assert run(patched=True)[0] == 0
 
 
 def test_the_pass_thread_records_its_passes():
