@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specops.core.llama import ROPE_TYPES, Branches, Segment, rotate
+from specops.core.llama import MATH_ROWS, ROPE_TYPES, Branches, Segment, rotate
 
 if TYPE_CHECKING:  # batching imports the cost model, which imports this module
     from specops.core.batching import PassBatcher
@@ -292,6 +292,12 @@ class StaticLM:
             raise ValueError("Tree drafts on the static runtime need eager passes on a target whose rows do not "
                              "depend on the pass's shape (bf16, see specops.core.batching.batch_invariant); use a "
                              "chain drafter, or the dynamic runtime (static_width 0).")
+        depths = tree_depths(parents)
+        if len(tokens) + 1 > MATH_ROWS:  # checked here, not in the pass: a batched pass would fail every sequence
+            raise ValueError(f"A tree pass takes at most {MATH_ROWS} rows; this tree has {len(tokens)} nodes.")
+        start = self.length
+        if start + max(depths, default=0) + 1 > self.max_length:
+            raise ValueError(f"The static cache holds {self.max_length} tokens; a tree at {start} does not fit.")
         rows = [0] + [p + 1 for p in parents]  # each row's parent row; the root's is itself
         leaves = sorted(set(range(len(rows))) - set(rows[1:]))
         owner, write_branch, write_row = [-1] * len(rows), [], []
@@ -306,12 +312,9 @@ class StaticLM:
                 if owner[row] < 0:
                     owner[row] = branch
         keys, values = self._branch_caches(len(leaves))
-        start = self.length
-        if start + max(tree_depths(parents), default=0) + 1 > self.max_length:
-            raise ValueError(f"The static cache holds {self.max_length} tokens; a tree at {start} does not fit.")
         branches = Branches(torch.tensor(owner), torch.tensor(write_branch), torch.tensor(write_row))
-        segment = Segment(torch.tensor([root] + tokens), start + torch.tensor([0] + tree_depths(parents)),
-                          keys, values, *self.tables, branches)
+        segment = Segment(torch.tensor([root] + tokens), start + torch.tensor([0] + depths), keys, values,
+                          *self.tables, branches)
         if self.batcher is not None:
             out, layers = self.batcher.run(segment, self.eager, self.head)
         else:
@@ -321,10 +324,10 @@ class StaticLM:
         return out
 
     def _branch_caches(self, branches: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """At least `branches` caches holding the committed tokens; the main cache is the first."""
+        """At least `branches` caches holding the committed tokens; the main cache is the first. Exactly as
+        many as the widest tree so far has leaves (the memory model counts no more than one per node)."""
         if self._pool is None or self._pool[0][0].shape[0] < branches:
-            size = max(branches, 2 * (self._pool[0][0].shape[0] if self._pool else 1))  # few reallocations
-            shape = (size, *self.keys[0].shape)
+            shape = (branches, *self.keys[0].shape)
             self._pool = ([torch.zeros(shape, dtype=k.dtype) for k in self.keys],
                           [torch.zeros(shape, dtype=v.dtype) for v in self.values])
             for pooled, main in zip((*self._pool[0], *self._pool[1]), (*self.keys, *self.values), strict=True):

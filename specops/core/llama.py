@@ -254,16 +254,16 @@ class _Group(NamedTuple):
     members: list[int]  # their indices among the pass's segments (a tree: its one segment)
     batch: int  # caches attended in (members, or a tree's branches)
     width: int  # query rows per cache: the widest's
-    take: torch.Tensor  # [members * width] the pass row of each query slot (a member's first row pads it)
-    visible: torch.Tensor  # [members, 1, width, length]
+    take: torch.Tensor  # [batch * width] the pass row of each query slot (a cache's first row pads it)
+    visible: torch.Tensor  # [batch, 1, width, length]
     keep: torch.Tensor  # the query slots holding real rows, in pass order
     out: torch.Tensor  # the pass rows they fill
 
 
 class _AttentionPlan:
     """How one pass attends: sequences whose caches have the same length attend in one batched call
-    (LlamaForward.attention, their queries padded to the group's widest), a long segment (a prefill) alone
-    through SDPA, whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence,
+    (LlamaForward.attention, their queries padded to the group's widest), a tree's rows in its branch caches
+    in one call of their own (Segment.branches), a long segment (a prefill) alone through SDPA, whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence,
     is what batching needs: SDPA's fixed cost (~60-90 us on this CPU) per sequence and layer was most of
     a batched pass's time beyond the products."""
 

@@ -123,7 +123,8 @@ class SpeculativeGenerator:
         after the prefill is that many rows wide (batched: its real rows only, on kernels whose rows do not
         depend on the pass's shape), so each row's logits are bitwise those of plain
         decoding through the same runtime, in bf16 as in fp32. Drafts are then at most static_width - 1
-        tokens and chains only. 0 keeps the dynamic cache (exact in fp32 only up to kernel rounding).
+        tokens deep (trees in bf16 only: StaticLM.forward_tree). 0 keeps the dynamic cache (exact in fp32
+        only up to kernel rounding).
         `compiled` runs the static runtime's passes through torch.compile (specops.core.llama).
         `prefill_chunk` bounds the tokens of one prefill pass (0: the whole prompt in one), see `prefill`.
         `batcher` runs the static runtime's passes batched with other generations' (specops.core.batching).

@@ -19,6 +19,7 @@ from specops.core.memory import DecodingShape, ModelShape
 from specops.core.planner import MemoryPlan, PlanSpace, plan_memory, require_one_request
 from specops.core.types import PRIOR_ACCEPTANCE
 from specops.drafters.draft_lm import DraftLMDrafter
+from specops.drafters.recycling import RecyclingDrafter
 from specops.server.config import ServerConfig
 from specops.server.generator import TextGenerator
 from specops.server.worker import ServedModel
@@ -60,6 +61,10 @@ def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> Memory
     elif drafter is not None:
         log.warning("The memory model counts draft LMs only; the %s drafter's own memory is not in the plan.",
                     drafter.name)
+    if isinstance(drafter, RecyclingDrafter) and generator.config.static_width:
+        # Token Recycling's template trees (no tree_nodes the planner could set): a target cache per leaf.
+        log.warning("The %s drafter grows trees of a fixed template on the static runtime; the memory model does "
+                    "not count its branch caches (one target KV cache per leaf).", drafter.name)
     space = plan_space(config, generator)
     target, base = ModelShape.of(generator.target.model.config), decoding_shape(generator)
     require_one_request(budget, target, base, space, draft, draft_vocab)  # before the cost model's seconds

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from specops.core.batching import PassBatcher, batch_invariant
+from specops.core.batching import PassBatcher, _Pass, batch_invariant
 from specops.core.cost_model import CostModel, PassFit
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, llama_forward
@@ -230,6 +230,25 @@ def test_a_batched_draft_lm_drafts_alone_and_stops_under_load():
     assert lengths[1] >= 2 and lengths[8] == lengths[16] == 0
     with decoding(batcher, 16):
         assert batcher.draft_cap(0.7, 4, free=True) > 0  # a draft that runs no draft pass (a suffix front's)
+
+
+def test_draft_passes_are_counted_against_drafts_that_ran_the_draft_model():
+    """A sequence's two draft passes before verifying two tokens count 1 pass a token; a free draft of four
+    tokens (no draft pass) is left out, or it would make the draft LM's tokens look three times cheaper."""
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN)
+    batcher = PassBatcher(model)
+    draft = llama_forward(tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16))[0]
+    lm = StaticLM(model, WIDTH, 128)
+
+    def passes(forward, rows: int) -> _Pass:
+        return _Pass(Segment(torch.tensor([5] * rows), torch.arange(rows), lm.keys, lm.values, *lm.tables), forward,
+                     thread=1)
+
+    batcher._count_drafts([passes(draft, 1)])
+    batcher._count_drafts([passes(draft, 1)])
+    batcher._count_drafts([passes(batcher.forward, 3)])  # the last committed token and two drafted
+    batcher._count_drafts([passes(batcher.forward, 5)])  # four free drafted tokens
+    assert batcher.draft_passes.value() == pytest.approx(1.0)
 
 
 def test_under_load_a_suffix_front_drafts_for_free_while_its_draft_lm_rests(monkeypatch):

@@ -104,42 +104,61 @@ def test_every_tree_drafter_is_bitwise_plain_decoding(target, monkeypatch):
     assert max(kept_from) > 0  # paths were accepted from caches other than the main one
 
 
-def rows_after_history(model) -> bool:
-    """A tree of three leaves after a history that touches every branch cache path: a tree of three leaves
-    committing from the last branch, a chain pass, a one-leaf tree (the other branches unused). Are all
-    its rows' logits those of plain decoding over the same committed tokens?"""
+def final_tree_rows_are_plain(model, steps: list[tuple], tokens: list[int], parents: list[int]) -> tuple[bool, int]:
+    """After a history of tree steps ("tree", root, tokens, parents, kept rows) and chain passes ("chain",
+    tokens), a last tree rooted at 53: are all its rows' logits those of plain decoding over the same
+    committed tokens? And how many caches does the pool hold?"""
     prompt = list(range(10, 30))
     lm = StaticLM(model, WIDTH, 128)
     lm.prefill(prompt[:-1])
-    committed = [prompt[-1]]
+    fed = []  # every token committed to the cache after the prompt's prefill, in order
     with torch.inference_mode():
-        start = lm.length
-        lm.forward_tree(prompt[-1], [41, 42, 43], [-1, -1, -1])
-        lm.keep(start, [0, 3])  # 43, drafted in the third branch
-        committed += [43, 50, 51]
-        lm.forward([50, 51])  # a chain pass: the main cache only
-        committed += [52, 44]
-        start = lm.length
-        lm.forward_tree(52, [44], [-1])
-        lm.keep(start, [0, 1])
-        tokens, parents = [45, 46, 47, 48], [-1, 0, -1, -1]
+        for step in steps:
+            if step[0] == "tree":
+                _, root, nodes, tree, kept = step
+                start = lm.length
+                lm.forward_tree(root, nodes, tree)
+                lm.keep(start, kept)
+                fed += [root] + [nodes[row - 1] for row in kept[1:]]
+            else:
+                lm.forward(step[1])
+                fed += step[1]
         logits = lm.forward_tree(53, tokens, parents)
-        paths = [[], [45], [45, 46], [47], [48]]
         plain = StaticLM(model, WIDTH, 128)
         plain.prefill(prompt[:-1])
-        for token in committed:
+        for token in fed:
             plain.forward([token])
-        base = plain.length
-        equal = []
-        for row, path in enumerate(paths):
+        base, equal = plain.length, []
+        for row in range(len(tokens) + 1):
+            path, node = [], row
+            while node:
+                path.insert(0, tokens[node - 1])
+                node = parents[node - 1] + 1
             plain.crop(base)
-            rows = [plain.forward([t])[0] for t in [53, *path]]
-            equal.append(torch.equal(rows[-1], logits[row]))
-    return all(equal)
+            equal.append(torch.equal([plain.forward([t])[0] for t in [53, *path]][-1], logits[row]))
+    return all(equal), lm._pool[0][0].shape[0]
+
+
+# Three leaves committing from the last branch, a chain pass, a one-leaf tree (the other branches unused),
+# then three leaves again: every way a branch cache can fall behind the main one, without reallocating.
+HISTORY = [("tree", 29, [41, 42, 43], [-1, -1, -1], [0, 3]), ("chain", [50, 51]), ("tree", 52, [44], [-1], [0, 1])]
+LAST = ([45, 46, 47, 48], [-1, 0, -1, -1])
+
+
+def rows_after_history(model) -> bool:
+    return final_tree_rows_are_plain(model, HISTORY, *LAST)[0]
 
 
 def test_rows_after_every_kind_of_commit_are_plain_decoding_rows(target):
     assert rows_after_history(target.model)
+
+
+def test_the_branch_caches_grow_with_the_widest_tree_and_keep_what_they_hold(target):
+    """Two leaves committing from the second branch and a chain pass, then five leaves: the pool is
+    reallocated holding the committed tokens, one cache per leaf (the memory model's count), no more."""
+    steps = [("tree", 29, [41, 42], [-1, -1], [0, 2]), ("chain", [50])]
+    equal, caches = final_tree_rows_are_plain(target.model, steps, [45, 46, 47, 48, 49, 40], [-1, -1, -1, -1, -1, 0])
+    assert equal and caches == 5
 
 
 def first_branch_only(owner, write_branch, write_row):
@@ -206,6 +225,15 @@ def test_batched_tree_and_chain_generations_emit_what_they_emit_alone(target, mo
         together = list(pool.map(lambda job: run(job, batcher), jobs))
     assert any(mixed)
     assert together == alone
+
+
+def test_a_tree_too_large_for_one_pass_fails_alone_before_its_pass(target):
+    """Refused in its own sequence: inside a batched pass the error would reach every sequence in it."""
+    lm = StaticLM(target.model, WIDTH, 128)
+    lm.prefill(list(range(10, 20)))
+    with pytest.raises(ValueError, match="at most 64 rows; this tree has 64 nodes"):
+        lm.forward_tree(5, [6] * 64, [-1] * 64)
+    assert lm._pool is None
 
 
 def test_trees_are_refused_where_they_would_not_be_exact(tokenizer):
