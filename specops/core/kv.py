@@ -249,8 +249,17 @@ class StaticLM:
 
     def _advance(self, token_ids: list[int], layers: torch.Tensor) -> None:
         """The pass over `token_ids` is done: they are committed, and their features kept when asked for."""
-        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
+        self._keep_features(layers)
         self.length += len(token_ids)
+
+    def _keep_features(self, layers: torch.Tensor) -> None:
+        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
+
+    def _eager_pass(self, segment: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager pass: batched with other sequences' when there is a batcher, else alone."""
+        if self.batcher is not None:
+            return self.batcher.run(segment, self.eager, self.head)
+        return self.eager.forward_many([segment], self.head)[0]
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor | None:
         """The prompt in one pass of its own length, without the LM head (its logits are not needed): plain
@@ -274,12 +283,11 @@ class StaticLM:
         on the pass's shape at all (specops.core.batching), so its own row count does not matter either."""
         if not 0 < len(token_ids) <= self.width:
             raise ValueError(f"A static pass takes 1 to {self.width} tokens, got {len(token_ids)}.")
-        if self.batcher is not None:
-            out, layers = self.batcher.run(self._segment(token_ids, len(token_ids)), self.eager, self.head)
-        elif self.head:
+        if self.batcher is None and self.head:
             out, layers = self.step(*self._segment(token_ids, self.width).args())
         else:
-            out, layers = self.eager.forward_many([self._segment(token_ids, self.width)], head=False)[0]
+            rows = self.width if self.batcher is None else len(token_ids)  # batched: its real rows only
+            out, layers = self._eager_pass(self._segment(token_ids, rows))
         n = len(token_ids)
         self._advance(token_ids, layers[:n])
         return out[:n]
@@ -315,11 +323,8 @@ class StaticLM:
         branches = Branches(torch.tensor(owner), torch.tensor(write_branch), torch.tensor(write_row))
         segment = Segment(torch.tensor([root] + tokens), start + torch.tensor([0] + depths), keys, values,
                           *self.tables, branches)
-        if self.batcher is not None:
-            out, layers = self.batcher.run(segment, self.eager, self.head)
-        else:
-            out, layers = self.eager.forward_many([segment], self.head)[0]
-        self.features = None if self.hidden_layers is None else layers[:, self.hidden_layers]
+        out, layers = self._eager_pass(segment)
+        self._keep_features(layers)
         self._tree = owner
         return out
 

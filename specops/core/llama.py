@@ -262,9 +262,10 @@ class _Group(NamedTuple):
 
 class _AttentionPlan:
     """How one pass attends: sequences whose caches have the same length attend in one batched call
-    (LlamaForward.attention, their queries padded to the group's widest), a tree's rows in its branch caches
-    in one call of their own (Segment.branches), a long segment (a prefill) alone through SDPA, whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence,
-    is what batching needs: SDPA's fixed cost (~60-90 us on this CPU) per sequence and layer was most of
+    (LlamaForward.attention, their queries padded to the group's widest), a tree's rows in its branch
+    caches in one call of their own (Segment.branches), a long segment (a prefill) alone through SDPA,
+    whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence, is what
+    batching needs: SDPA's fixed cost (~60-90 us on this CPU) per sequence and layer was most of
     a batched pass's time beyond the products."""
 
     def __init__(self, forward: LlamaForward, segments: list[Segment], sizes: list[int], n: int) -> None:

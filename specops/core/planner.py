@@ -11,11 +11,12 @@ Objective: the most predicted goodput, SmartSpec's (arXiv 2406.14066) under load
 model can state it: B generations each committing E[tokens | draft] per step, over one step's time
 (their drafting spread over the cores, plus one batched target pass over B x rows rows). While serving,
 the batcher sets each step's draft length from the passes it observes instead
-(specops.core.policies.step_seconds); the plan only sizes the memory for the longest. Memory is a constraint, not a term: among the plans that
-hold `min_context` tokens per slot, the one with the best goodput wins (ties: less memory, then fewer
-slots and shorter drafts); its context is then grown to the largest that still fits, up to
-`max_context`. Per-slot memory is linear in the slots and monotone in the context, so the planner
-solves each for its limit instead of enumerating (tests compare it with a brute-force enumeration).
+(specops.core.policies.step_seconds); the plan only sizes the memory for the longest. Memory is a
+constraint, not a term: among the plans that hold `min_context` tokens per slot, the one with the best
+goodput wins (ties: less memory, then fewer slots and shorter drafts); its context is then grown to the
+largest that still fits, up to `max_context`. Per-slot memory is linear in the slots and monotone in the
+context, so the planner solves each for its limit instead of enumerating (tests compare it with a
+brute-force enumeration).
 """
 
 from __future__ import annotations
