@@ -41,7 +41,7 @@ watcher that loaded a new version) kept a team, and the same 8-sequence pass too
 thread against 23 ms (28 ms once the loading thread's team was gone). Such work goes through
 `on_short_thread`, whose team ends with it.
 
-Draft lengths under load (`draft_cap`, SmartSpec): the pass thread records what its batches take (each
+Draft lengths under load (`draft_caps`, SmartSpec): the pass thread records what its batches take (each
 model's pass seconds against its rows, the wait for the sequences between batches, the draft passes per
 verified draft token), and a greedy or coupled sequence's draft is capped by the goodput those
 observations predict (specops.core.policies.step_seconds), not the start-up cost model's, which times
@@ -71,7 +71,7 @@ from specops.core.types import MIN_ROWS, STATIC_BUCKET
 
 DEFAULT_WINDOW_S = 0.002  # how long a pass waits for the other sequences' passes before running without them
 IDLE_EXIT_S = 5.0  # the pass thread ends after this long without work (a swapped-out model's batcher goes quiet)
-MIN_OBSERVED = 10.0  # passes (decayed) a fit needs before draft_cap trusts it over the start-up model
+MIN_OBSERVED = 10.0  # passes (decayed) a fit needs before draft_caps trusts it over the start-up model
 T = TypeVar("T")
 
 
@@ -136,7 +136,7 @@ class PassBatcher:
                  on_batch: Callable[[int], None] | None = None, cost: CostModel | None = None,
                  threads: int | None = None) -> None:
         """`cost` (the target's pass times by rows, the drafter's per token, measured at start-up) lets each
-        sequence shrink its draft as the batch grows (`draft_cap`) until the passes run here tell better;
+        sequence shrink its draft as the batch grows (`draft_caps`) until the passes run here tell better;
         without it drafts keep their policy's length. `threads`: the pass thread's intra-op threads (default:
         every core)."""
         self.forward = _invariant_forward(model)  # the target's eager forward, which its sequences' StaticLMs run
@@ -151,13 +151,14 @@ class PassBatcher:
         self._members: set[int] = set()  # threads of the sequences in their decode loop: a pass of theirs may come
         self._cohort: set[int] = set()  # threads whose passes ran in the last batch
         self._pass_s = window_s  # the last batch's duration: how long a pass waits for the last batch's sequences
-        # What draft_cap learns from the batches run here (step_costs): each model's pass times by rows, the
+        # What draft_caps learns from the batches run here (step_costs): each model's pass times by rows, the
         # wait between two batches per sequence (their own work: verification, streaming, drafting on their
         # threads), and the draft passes per drafted token (a suffix front's drafts take none).
         self.target_fit, self.draft_fit = PassFit(), PassFit()
         self.gap, self.draft_passes = DecayedRatio(), DecayedRatio()
         self._batch_end: float | None = None  # when the last batch ended; None once a pass alone ran since
         self._drafting: dict[int, int] = {}  # a sequence's draft passes since its last target pass
+        self._startup: tuple[tuple[CostModel, bool], StepCosts] | None = None  # step_costs' start-up model, built once
         self._worker: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -200,7 +201,9 @@ class PassBatcher:
         the batch."""
         if self.cost is None:
             return None
-        startup = StepCosts.from_startup(self.cost, self.batched_drafts)
+        if self._startup is None or self._startup[0] != (self.cost, self.batched_drafts):  # set after __init__
+            self._startup = (self.cost, self.batched_drafts), StepCosts.from_startup(self.cost, self.batched_drafts)
+        startup = self._startup[1]
         target, draft, gap, passes = self._observed()
         if target is None:
             return startup
@@ -209,17 +212,17 @@ class PassBatcher:
         return StepCosts(target, draft or startup.draft, startup.draft_passes if passes is None else passes,
                          (gap or 0.0) * batch)
 
-    def draft_cap(self, acceptance: float, max_tokens: int, free: bool = False) -> int:
-        """The longest draft that still pays at the current batch size (SmartSpec: specops.core.policies),
-        from what this batcher's passes took lately (`step_costs`). `free`: for a draft that costs no model
-        pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass."""
+    def draft_caps(self, acceptance: float, max_tokens: int) -> tuple[int, int]:
+        """The longest drafts that still pay at the current batch size (SmartSpec: specops.core.policies),
+        from what this batcher's passes took lately (`step_costs`): one that runs a draft model, and one
+        that costs no model pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass."""
         batch = max(1, len(self._members))
         costs = self.step_costs(batch)
         if costs is None:
-            return max_tokens
-        if free:
-            costs = replace(costs, draft_passes=0.0, thread_token_s=0.0)
-        return batch_draft_length(acceptance, costs, batch, max_tokens, self.cores)
+            return max_tokens, max_tokens
+        free = replace(costs, draft_passes=0.0, thread_token_s=0.0)
+        return (batch_draft_length(acceptance, costs, batch, max_tokens, self.cores),
+                batch_draft_length(acceptance, free, batch, max_tokens, self.cores))
 
     def observed(self) -> dict[str, float]:
         """What the batches run here showed (NaN where not yet): each model's pass seconds and seconds per
@@ -307,7 +310,7 @@ class PassBatcher:
     def _count_drafts(self, due: list[_Pass]) -> None:
         """Each sequence's draft passes since its last target pass, against the tokens that target pass
         verifies (its rows but the last committed token's), for drafts that ran a draft model (free drafts
-        have their own cap: draft_cap's `free`); holding the lock."""
+        have their own cap: draft_caps); holding the lock."""
         for p in due:
             if p.forward is not self.forward:
                 self._drafting[p.thread] = self._drafting.get(p.thread, 0) + 1

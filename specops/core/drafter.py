@@ -90,7 +90,7 @@ class Drafter(Protocol):
     def free_draft(self, context: list[int], k: int) -> Draft | None:
         """The draft `propose` would make here if it costs no model pass (a suffix front's), else None; only
         drafters that draft both ways have one. Under load the batcher caps drafts that cost passes harder
-        than free ones (specops.core.batching.PassBatcher.draft_cap), and the loop then takes this one."""
+        than free ones (specops.core.batching.PassBatcher.draft_caps), and the loop then takes this one."""
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         """See the target's logits [n, V] at the tokens [n] of a verify pass (Token Recycling learns here)."""

@@ -226,8 +226,8 @@ class SpeculativeGenerator:
                         # and coupled output is the target's own draw whatever the draft; a rejection-sampled one
                         # depends on the draft, so its length must not depend on what else is running (the
                         # request would not be reproducible).
-                        free_k = min(k, self.batcher.draft_cap(stats.running_acceptance, k, free=True))
-                        k = min(k, self.batcher.draft_cap(stats.running_acceptance, k))
+                        paid, free = self.batcher.draft_caps(stats.running_acceptance, k)
+                        k, free_k = min(k, paid), min(k, free)
                     tick = time.perf_counter()
                     if isinstance(generator, PositionNoise):
                         generator = generator.shifted(len(context))  # row 0: the next position to fill

@@ -39,6 +39,7 @@ class SuffixFrontDrafter(DrafterBase):
         self.front, self.back, self.min_score = front, back, min_score
         self.front_steps = 0  # steps drafted by the front since the last reset, and by the draft LM
         self.back_steps = 0
+        self._declined: int | None = None  # the context length at which free_draft last declined
 
     def __copy__(self) -> SuffixFrontDrafter:
         """A fork (one per server generation slot) has its own per-request state in both drafters; the
@@ -64,13 +65,17 @@ class SuffixFrontDrafter(DrafterBase):
         self.front.reset()
         self.back.reset()
         self.front_steps = self.back_steps = 0
+        self._declined = None
 
     def share_runtime(self, lm: CachedLM | StaticLM) -> None:
         self.back.share_runtime(lm)  # the draft LM batches its passes with the target's when they are batched
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
                 stop: TokenStop | None = None) -> Draft:
-        draft = self.free_draft(context, k)
+        # Under load the loop offers the free draft first at a longer length; once declined there it would be
+        # declined at k too (a shorter draft of the tries scores no more), so the tries are not walked again.
+        declined, self._declined = self._declined == len(context), None
+        draft = None if declined else self.free_draft(context, k)
         if draft is not None:
             return draft
         self.back_steps += 1
@@ -82,6 +87,7 @@ class SuffixFrontDrafter(DrafterBase):
         if draft.tokens and score >= self.min_score:
             self.front_steps += 1
             return draft
+        self._declined = len(context)
         return None
 
     def finish(self, context: list[int]) -> None:

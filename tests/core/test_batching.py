@@ -165,6 +165,7 @@ def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch):
     assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
 
 
+
 @contextlib.contextmanager
 def decoding(batcher: PassBatcher, sequences: int) -> Iterator[None]:
     """`sequences` threads in their decode loop (batcher.sequence()) while inside, as a server's slots are."""
@@ -203,14 +204,14 @@ def test_drafts_follow_the_observed_passes_down_to_none_and_back():
     """Model-free drafts (prompt lookup: on the threads) with a start-up model whose passes are flat, which
     alone keeps 8 sequences drafting; once the passes run here are compute-bound (linear in rows, as bf16
     passes are on this CPU past a few rows), drafts stop; once they are flat again, drafts come back. A
-    draft_cap that ignores what it observes fails the middle step."""
+    draft_caps that ignores what it observes fails the middle step."""
     batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=FLAT)
     with decoding(batcher, 8):
-        assert batcher.draft_cap(0.7, 4) == 4
+        assert batcher.draft_caps(0.7, 4)[0] == 4
         observe(batcher, (0.002, 0.003))
-        assert batcher.draft_cap(0.7, 4) == 0
+        assert batcher.draft_caps(0.7, 4)[0] == 0
         observe(batcher, (0.020, 0.00001))
-        assert batcher.draft_cap(0.7, 4) == 4
+        assert batcher.draft_caps(0.7, 4)[0] == 4
 
 
 def test_a_batched_draft_lm_drafts_alone_and_stops_under_load():
@@ -226,10 +227,10 @@ def test_a_batched_draft_lm_drafts_alone_and_stops_under_load():
     lengths = {}
     for sequences in (1, 8, 16):
         with decoding(batcher, sequences):
-            lengths[sequences] = batcher.draft_cap(0.7, 4)
+            lengths[sequences] = batcher.draft_caps(0.7, 4)[0]
     assert lengths[1] >= 2 and lengths[8] == lengths[16] == 0
     with decoding(batcher, 16):
-        assert batcher.draft_cap(0.7, 4, free=True) > 0  # a draft that runs no draft pass (a suffix front's)
+        assert batcher.draft_caps(0.7, 4)[1] > 0  # a draft that runs no draft pass (a suffix front's)
 
 
 def test_draft_passes_are_counted_against_drafts_that_ran_the_draft_model():
@@ -255,7 +256,7 @@ def test_under_load_a_suffix_front_drafts_for_free_while_its_draft_lm_rests(monk
     """With the passes observed where a draft LM's drafts stop paying (16 sequences), the suffix front's free
     drafts still pass the cap: the front drafts, the draft LM does not, and the output is plain decoding's.
     Mutant that must fail: free drafts capped like paid ones (then nothing drafts)."""
-    original = PassBatcher.draft_cap
+    original = PassBatcher.draft_caps
 
     def run(patched: bool) -> tuple[int, int, list[int], list[int]]:
         target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
@@ -268,7 +269,7 @@ def test_under_load_a_suffix_front_drafts_for_free_while_its_draft_lm_rests(monk
         plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH).generate(prompt, 24).token_ids
         with monkeypatch.context() as patch:
             if patched:
-                patch.setattr(PassBatcher, "draft_cap", lambda self, a, k, free=False: original(self, a, k))
+                patch.setattr(PassBatcher, "draft_caps", lambda self, a, k: (original(self, a, k)[0],) * 2)
             with decoding(batcher, 15):  # 15 others in their decode loop, this one the 16th
                 batcher.batched_drafts = True  # as the draft LM's forward_of sets it, before its first pass
                 spec = SpeculativeGenerator(target, front, "greedy", WIDTH - 1, static_width=WIDTH, batcher=batcher)

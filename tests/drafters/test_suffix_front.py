@@ -53,6 +53,22 @@ def test_no_match_or_a_weak_one_goes_to_the_draft_lm():
     assert drafter.back.calls == 2 and drafter.front_steps == 0 and drafter.back_steps == 2
 
 
+
+def test_a_free_draft_declined_under_load_is_not_scored_again(monkeypatch):
+    """Under load the loop offers the free draft at a longer length first (free_draft), then asks for the
+    paid one (propose): the tries, walked once, would decline the shorter draft too."""
+    drafter = front_drafter(min_score=2.5)
+    drafter.remember([[1, 2, 3, 4, 5, 6, 7, 8]])
+    walks = []
+    scored = drafter.front.scored
+    monkeypatch.setattr(drafter.front, "scored", lambda context, k: walks.append(k) or scored(context, k))
+    assert drafter.free_draft([9, 1, 2, 3], 2) is None  # a 2-token draft scores at most 2 < 2.5
+    drafter.propose([9, 1, 2, 3], 1, GREEDY, None)
+    assert walks == [2] and drafter.back.calls == 1
+    drafter.propose([9, 1, 2, 3, 4], 1, GREEDY, None)  # the next step scores its own draft
+    assert walks == [2, 1]
+
+
 def test_both_drafters_draft_in_one_generation_and_the_output_is_plain_decodings(target):
     vocab = target.vocab_size
     drafter = SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),
