@@ -1,13 +1,16 @@
 """CoSine on a mixed code + chat test set: the routed (and fused) specialists against each single drafter.
 
-Every drafter is a draft LM of the same size and draft vocabulary: the general one (train_draft), each
+The draft LMs are of the same size and draft vocabulary: the general one (train_draft), each
 specialist alone (train_specialists: the general one distilled further on its own slice of the traces),
 optionally a control (e.g. the general one distilled further on every slice, as many steps as the
 specialists took together), and the ensemble: `cosine` routes each step's chain to one specialist (both
 runtimes), `cosine-tree` fuses the specialists' dynamic trees (the fp32 dynamic runtime), against
-`draft-lm-tree` of the same node budget for each single drafter. The methods run through `specops bench`'s
-interleaved loop on the prepared test split, which holds both sources; the report adds, per method and per
-source, tokens per step (the bonus token included) and accepted draft tokens per step.
+`draft-lm-tree` of the same node budget for each single drafter; and a model-free specialist, Suffix
+Decoding, alone and in front of the routed draft LMs (`cosine-suffix`, which takes the suffix tries' draft
+on the steps they are confident of), beside the general draft LM behind the same front. The methods run
+through `specops bench`'s interleaved loop on the prepared test split, which holds both sources; the
+report adds, per method and per source, tokens per step (the bonus token included) and accepted draft
+tokens per step.
 
     .venv/bin/python benchmarks/cosine_mixed.py --prompts data/prompts/test.jsonl --draft-model models/draft_lm \
         --specialists models/specialists --max-new-tokens 128 --out benchmarks/results/cosine_mixed.json
@@ -51,6 +54,14 @@ def generators(target, args: argparse.Namespace) -> dict[str, SpeculativeGenerat
             out[f"{single}[{name}]@{size}"] = run(target, build_drafter(single, target, config, folder), config)
         config.drafter = ensemble
         out[f"{ensemble}@{size}"] = run(target, build_drafter(ensemble, target, config, args.specialists), config)
+    # A model-free specialist (Suffix Decoding) alone, and in front of the routed draft LMs (cosine-suffix);
+    # the general draft LM behind the same front (draft-lm-suffix) shows what the routing among draft LMs adds.
+    k = args.draft_tokens
+    for kind, weights, name in (("suffix", None, f"suffix@{k}"), ("cosine-suffix", args.specialists, f"cosine-suffix@{k}"),
+                                ("draft-lm-suffix", args.draft_model, f"draft-lm-suffix[general]@{k}")):
+        config = DecodingConfig(drafter=kind, verifier="greedy", draft_tokens=k, static_width=args.static_width,
+                                compiled=args.compile)
+        out[name] = run(target, build_drafter(kind, target, config, weights), config)
     return out
 
 

@@ -54,6 +54,18 @@ def check_runtime(static_width: int, compiled: bool, prefill_chunk: int) -> None
         raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {prefill_chunk}.")
 
 
+def static_tree_refusal(compiled: bool, dtype: str | None = None) -> str | None:
+    """Why tree drafts would not stay exact on the static runtime with these settings, else None: a tree row
+    must round as the same token does alone, so each branch attends in its own cache in an eager pass on
+    rows that do not depend on the pass's shape. For configs, before any model loads; once the target has
+    loaded, specops.core.batching.batch_invariant also checks that its products are large enough."""
+    if compiled:
+        return "their passes run eager (each branch in its own cache), so compiled plain decoding would round differently"
+    if dtype is not None and dtype != "bfloat16":
+        return "the static runtime verifies them exactly in bfloat16 only (rows that do not depend on the batch)"
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. temperature 0 means greedy; the same transform is applied to p and q."""

@@ -73,7 +73,10 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
         return load_del_drafter(weights, target.model, config.del_exit_layer)
     if spec.weights == "specialists":
         settings = CosineSettings(config.cosine_decay, config.cosine_temperature, nodes)
-        return load_cosine(weights, target.vocab_size, target.model.dtype, settings, config.tree_top_k)
+        cosine = load_cosine(weights, target.vocab_size, target.model.dtype, settings, config.tree_top_k)
+        if kind == "cosine-suffix":
+            return SuffixFrontDrafter(_suffix(config, 0), cosine, config.suffix_front_min_score)
+        return cosine
     raise AssertionError(f"DRAFTERS['{kind}'] has no constructor here")
 
 

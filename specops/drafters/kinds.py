@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specops.core.policies import POLICIES
-from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, check_runtime
+from specops.core.types import DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, check_runtime, static_tree_refusal
 
 Weights = Literal["draft_lm", "aligned_head", "exit_heads", "specialists"]  # the weights folder a kind loads (a bundle's drafter/)
 
@@ -55,6 +55,9 @@ DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     # CoSine: specialized draft LMs (train_specialists) behind a router; -tree fuses their trees (specops/drafters/cosine.py)
     DrafterKind("cosine", weights="specialists"),
     DrafterKind("cosine-tree", weights="specialists", tree=True, size="tree_nodes"),
+    # CoSine's router behind a Suffix Decoding front: a model-free specialist for what repeats (the request so
+    # far, past responses) takes the steps it is confident of, the routed draft LMs the others.
+    DrafterKind("cosine-suffix", weights="specialists"),
 )}
 DRAFT_LM_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "draft_lm")
 ALIGNED_KINDS = tuple(k for k, d in DRAFTERS.items() if d.weights == "aligned_head")
@@ -95,8 +98,8 @@ class DecodingConfig:
     suffix_factor: float = 1.0
     suffix_min_prob: float = 0.1
     suffix_max_cached: int = 1000
-    # draft-lm-suffix: the suffix tries' draft is taken (and the draft LM not run) when the tries expect at
-    # least this many of its tokens to be accepted (the sum of their estimated probabilities).
+    # draft-lm-suffix and cosine-suffix: the suffix tries' draft is taken (and the draft LMs not run) when the
+    # tries expect at least this many of its tokens to be accepted (the sum of their estimated probabilities).
     suffix_front_min_score: float = 1.0
     # Draft-LM kinds (specops/drafters/draft_lm.py; LongSpec): the draft's KV cache holds at most draft_window
     # tokens, the context's first draft_sinks (attention sinks) and its most recent, at positions below
@@ -139,10 +142,9 @@ class DecodingConfig:
         if self.draft_window and self.draft_window <= self.draft_sinks:
             raise ValueError(f"draft_window must be 0 (off) or larger than draft_sinks ({self.draft_sinks}), "
                              f"got {self.draft_window}.")
-        if self.compiled and self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree:
-            raise ValueError(f"'{self.drafter}' drafts trees, whose passes run eager (each branch in its own "
-                             "cache), so compiled plain decoding would round differently: drop compiled, or use "
-                             "a chain drafter.")
+        tree = self.drafter in DRAFTERS and DRAFTERS[self.drafter].tree
+        if tree and (reason := static_tree_refusal(self.compiled)):
+            raise ValueError(f"'{self.drafter}' drafts trees: {reason}; drop compiled, or use a chain drafter.")
 
     @classmethod
     def from_serving(cls, serving: dict[str, Any]) -> DecodingConfig:

@@ -1,4 +1,6 @@
 """A draft LM behind a Suffix Decoding front: free drafts where the text repeats, the model elsewhere.
+The back may also be CoSine's routed specialist draft LMs (cosine-suffix, specops.drafters.cosine): the
+suffix tries are then one more specialist, model-free, routed to by their own confidence each step.
 
 Model-free drafting wins where an answer repeats what was written before (the prompt, earlier
 answers, a template): its drafts cost nothing and, on a long match, are long and mostly accepted. A
@@ -23,16 +25,18 @@ from specops.core.drafter import Draft, DrafterBase, TokenStop
 from specops.core.kv import CachedLM, StaticLM
 from specops.core.sampling import Randomness
 from specops.core.types import SamplingParams
+from specops.drafters.cosine import CosineDrafter
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.suffix import SuffixDrafter
 
 
 class SuffixFrontDrafter(DrafterBase):
-    name = "draft-lm-suffix"
-
-    def __init__(self, front: SuffixDrafter, back: DraftLMDrafter, min_score: float) -> None:
-        if front.tree_nodes or back.tree_nodes:
-            raise ValueError("The draft-lm-suffix drafter drafts chains: give it a chain suffix drafter and draft LM.")
+    def __init__(self, front: SuffixDrafter, back: DraftLMDrafter | CosineDrafter, min_score: float) -> None:
+        """`back`: a draft LM (draft-lm-suffix) or CoSine's routed specialists (cosine-suffix), drafting chains."""
+        self.name = "cosine-suffix" if isinstance(back, CosineDrafter) else "draft-lm-suffix"
+        back_tree = back.settings.tree_nodes if isinstance(back, CosineDrafter) else back.tree_nodes
+        if front.tree_nodes or back_tree:
+            raise ValueError(f"The {self.name} drafter drafts chains: give it a chain suffix drafter and draft LM.")
         if min_score <= 0:
             raise ValueError(f"suffix_front_min_score must be > 0 (the expected accepted tokens of a suffix draft), "
                              f"got {min_score}.")

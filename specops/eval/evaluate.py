@@ -14,7 +14,7 @@ from typing import Any
 
 from specops.core.loop import SpeculativeGenerator
 from specops.core.target import DTYPES, Target
-from specops.core.types import DEFAULT_DRAFT_TOKENS
+from specops.core.types import DEFAULT_DRAFT_TOKENS, static_tree_refusal
 from specops.data.prompts import read_split as read_split_rows
 from specops.drafters.kinds import DRAFTERS, DecodingConfig, MethodSpec
 from specops.eval.benchmark import BASELINE, BenchConfig, run_benchmark
@@ -75,10 +75,10 @@ class EvaluateConfig:
                 config = MethodSpec.parse(name).decoding(replace(runtime, draft_tokens=self.draft_tokens))
             except ValueError as error:
                 raise ValueError(f"evaluate.methods: {name}: {error}") from error
-            if self.static_width and self.dtype != "bfloat16" and DRAFTERS[config.drafter].tree:
-                raise ValueError(f"evaluate.methods: {name} drafts trees, which the static runtime verifies exactly "
-                                 "in bfloat16 only (each branch in its own cache, batch-invariant rows); use "
-                                 "dtype bfloat16, or static_width 0 for float32 trees.")
+            tree = self.static_width and DRAFTERS[config.drafter].tree
+            if tree and (reason := static_tree_refusal(self.compiled, self.dtype)):
+                raise ValueError(f"evaluate.methods: {name} drafts trees: {reason}; use dtype bfloat16, "
+                                 "or static_width 0 for float32 trees.")
             if self.static_width and config.draft_tokens >= self.static_width:
                 raise ValueError(f"evaluate.methods: {name} drafts {config.draft_tokens} tokens, but passes of "
                                  f"static_width {self.static_width} verify at most {self.static_width - 1}.")

@@ -51,6 +51,8 @@ def make_drafters(target, draft_model):
         "cosine": CosineDrafter(cosine_specialists(target, draft_model), ["weak", "self"], CosineSettings(0.9, 0.1, 0)),
         "cosine-tree": CosineDrafter(cosine_specialists(target, draft_model), ["weak", "self"],
                                      CosineSettings(0.9, 0.1, 8)),
+        "cosine-suffix": SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), CosineDrafter(
+            cosine_specialists(target, draft_model), ["weak", "self"], CosineSettings(0.9, 0.1, 0)), 1.0),
     }
 
 

@@ -192,6 +192,7 @@ CHAIN_DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "suffix": lambda: SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1),  # drafts from earlier samples: its cache outlives a generation
     "draft-lm-suffix": suffix_front,
     "cosine": cosine,
+    "cosine-suffix": lambda: SuffixFrontDrafter(SuffixDrafter(SuffixCache(8, 64), 0, 1.0, 0.1), cosine(), 1.0),
 
 
     "draft-lm-window": windowed,

@@ -21,7 +21,7 @@ from specops.core.llama import Branches, LlamaForward
 from specops.core.loop import SpeculativeGenerator
 from specops.core.memory import DecodingShape, ModelShape, memory_report
 from specops.core.target import target_from_model
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, static_tree_refusal
 from specops.core.verify import VERIFIERS
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.factory import build_drafter
@@ -245,6 +245,9 @@ def test_trees_are_refused_where_they_would_not_be_exact(tokenizer):
         build_drafter("recycling", fp32, DecodingConfig(drafter="recycling", static_width=WIDTH))
     with pytest.raises(ValueError, match="drop compiled"):
         DecodingConfig(drafter="draft-lm-tree", static_width=WIDTH, compiled=True)
+    # The config-time reasons, before any model loads (DecodingConfig, EvaluateConfig).
+    assert static_tree_refusal(False) is None and static_tree_refusal(False, "bfloat16") is None
+    assert "eager" in static_tree_refusal(True, "bfloat16") and "bfloat16 only" in static_tree_refusal(False, "float32")
 
 
 def test_the_memory_model_counts_a_cache_per_branch():

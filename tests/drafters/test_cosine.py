@@ -26,6 +26,7 @@ from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.dynamic_tree import TreeNode
 from specops.drafters.factory import build_drafter
 from specops.drafters.kinds import DecodingConfig
+from specops.drafters.suffix_front import SuffixFrontDrafter
 from tests.conftest import tiny_llama
 
 PROMPT = list(range(10, 40))
@@ -169,12 +170,17 @@ def write_specialists(root, target, names=("code", "chat")):
     return root
 
 
-@pytest.mark.parametrize("kind", ["cosine", "cosine-tree"])
+@pytest.mark.parametrize("kind", ["cosine", "cosine-tree", "cosine-suffix"])
 def test_the_factory_builds_it_from_a_specialists_folder(target, tmp_path, kind):
     folder = write_specialists(tmp_path, target)
-    config = DecodingConfig(drafter=kind, cosine_decay=0.95, cosine_temperature=0.2, tree_nodes=5)
+    config = DecodingConfig(drafter=kind, cosine_decay=0.95, cosine_temperature=0.2, tree_nodes=5,
+                            suffix_front_min_score=1.5)
     drafter = build_drafter(kind, target, config, folder)
-    assert isinstance(drafter, CosineDrafter) and drafter.name == kind and drafter.names == ["code", "chat"]
+    assert drafter.name == kind
+    if kind == "cosine-suffix":  # the routed specialists behind a suffix front, chains only
+        assert isinstance(drafter, SuffixFrontDrafter) and drafter.min_score == 1.5 and not drafter.front.tree_nodes
+        drafter = drafter.back
+    assert isinstance(drafter, CosineDrafter) and drafter.names == ["code", "chat"]
     assert drafter.settings == CosineSettings(0.95, 0.2, 5 if kind == "cosine-tree" else 0)
     with pytest.raises(ValueError, match="specialists folder"):
         build_drafter(kind, target, config, None)
