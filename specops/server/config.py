@@ -112,7 +112,9 @@ class ServerConfig(HttpConfig):
     dtype: str = option("float32", "target precision when --target is loaded here (float32 or bfloat16)")
     drafter: str = option("recycling", "drafter without a bundle; 'none' is plain autoregressive decoding "
                                        "(a bundle's serving.yaml chooses its own)")
-    draft_model: str | None = option(None, "HF folder of the draft LM for --drafter draft-lm")
+    draft_model: str | None = option(None, "the drafter's weights folder without a bundle: a draft LM for the "
+                                           "draft-lm kinds, an aligned head, exit heads (del), or "
+                                           "train_specialists' folder for the cosine kinds")
     static_width: int = option(0, "without a bundle: rows of each target pass on the static runtime (0: the "
                                   "dynamic cache); with --dtype bfloat16 its passes batch across requests (a "
                                   "bundle's serving.yaml sets its own)")
