@@ -215,9 +215,11 @@ POLICIES = {
 HEAD_POLICIES = ("specdecpp", "goodput_head")
 SAMPLING_VERIFIERS = [v for v in VERIFIERS if v != "greedy"]
 # Which drafters each policy sets the length of (as specops.drafters.factory allows), and the fixed policy for all.
+# cosine-suffix composes two drafters checked under every verifier (cosine, draft-lm-suffix): rejection, whose
+# output depends on the drafts' q, checks the composition.
 CHAIN_CASES = [(d, v, p) for d in CHAIN_DRAFTERS for v in SAMPLING_VERIFIERS for p in POLICIES
-               if p == "fixed" or (d == "draft-lm" and p != "fixed") or (d == "prompt-lookup" and p in ("heuristic", "goodput"))
-               or (d == "draft-lm-suffix" and p == "specdecpp")]
+               if (p == "fixed" or (d == "draft-lm" and p != "fixed") or (d == "prompt-lookup" and p in ("heuristic", "goodput"))
+                   or (d == "draft-lm-suffix" and p == "specdecpp")) and (d != "cosine-suffix" or v == "rejection")]
 
 
 def test_every_policy_is_covered():

@@ -228,13 +228,14 @@ def test_smollm2_bf16_prompt_lookup_is_bitwise_plain_decoding_only_on_the_static
     def tokens(drafter, width: int) -> list[int]:
         return SpeculativeGenerator(target, drafter, "greedy", 3, static_width=width).generate(ids, 48).token_ids
 
-    assert tokens(PromptLookupDrafter(3), WIDTH) == tokens(None, WIDTH)
-    assert tokens(RecyclingDrafter(target.vocab_size, num_nodes=6), WIDTH) == tokens(None, WIDTH)  # a tree a step
+    plain = tokens(None, WIDTH)
+    assert tokens(PromptLookupDrafter(3), WIDTH) == plain
+    assert tokens(RecyclingDrafter(target.vocab_size, num_nodes=6), WIDTH) == plain  # a tree a step
     assert tokens(PromptLookupDrafter(3), 0) != tokens(None, 0)
     sampling = SamplingParams(temperature=0.8, top_p=0.95)  # coupled sampling: the same draws, bitwise
     spec = SpeculativeGenerator(target, PromptLookupDrafter(3), "coupled", 3, static_width=WIDTH)
-    plain = SpeculativeGenerator(target, None, "coupled", 3, static_width=WIDTH)
-    assert spec.generate(ids, 48, sampling, seed=7).token_ids == plain.generate(ids, 48, sampling, seed=7).token_ids
+    coupled = SpeculativeGenerator(target, None, "coupled", 3, static_width=WIDTH)
+    assert spec.generate(ids, 48, sampling, seed=7).token_ids == coupled.generate(ids, 48, sampling, seed=7).token_ids
 
 
 def test_the_cli_refuses_compile_without_a_static_width():
