@@ -165,7 +165,6 @@ def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch):
     assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
 
 
-
 @contextlib.contextmanager
 def decoding(batcher: PassBatcher, sequences: int) -> Iterator[None]:
     """`sequences` threads in their decode loop (batcher.sequence()) while inside, as a server's slots are."""
