@@ -146,11 +146,12 @@ class StepCosts:
         return cls(target, thread_token_s=cost.draft_token_s)
 
 
-def _ids(n: int) -> list[int]:
+def timing_ids(n: int) -> list[int]:
+    """n token ids for timing passes: their values do not matter, and low ids exist in every vocabulary."""
     return [(i % 50) + 10 for i in range(n)]
 
 
-def _median_s(run: Callable[[], object], reset: Callable[[], object], repeats: int) -> float:
+def median_seconds(run: Callable[[], object], reset: Callable[[], object], repeats: int) -> float:
     """Median seconds of `run` (after one warm-up run: allocator and kernel selection), `reset` after each."""
     run()
     reset()
@@ -170,20 +171,19 @@ def measure_cost_model(target: PreTrainedModel, drafter: Drafter | None = None, 
 
     The drafter is timed through its own `propose`, so whatever one drafted token costs it (a reduced
     draft vocabulary, an acceptance head) is what gets measured. Medians of `repeats` runs, since
-    other processes on a shared CPU add one-sided noise. The token ids do not matter for timing; low
-    ids exist in every vocabulary.
+    other processes on a shared CPU add one-sided noise.
     """
     if context_tokens < 1 or repeats < 1:
         raise ValueError("context_tokens and repeats must be >= 1.")
-    context = _ids(context_tokens)
+    context = timing_ids(context_tokens)
     with torch.inference_mode():
         lm = CachedLM(target)
         lm.prefill(context)
-        verify = tuple((n, _median_s(lambda n=n: lm.forward(_ids(n)), lambda: lm.crop(context_tokens), repeats))
+        verify = tuple((n, median_seconds(lambda n=n: lm.forward(timing_ids(n)), lambda: lm.crop(context_tokens), repeats))
                        for n in sizes)
         draft_s = 0.0
         if drafter is not None:
             drafter.reset()
-            draft_s = _median_s(lambda: drafter.propose(context, 1, GREEDY, None), lambda: None, repeats)
+            draft_s = median_seconds(lambda: drafter.propose(context, 1, GREEDY, None), lambda: None, repeats)
             drafter.reset()
     return CostModel(draft_token_s=draft_s, verify_s=verify)

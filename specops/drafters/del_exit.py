@@ -22,9 +22,14 @@ scoring costs one head per step), which tracks each layer's acceptance rate alph
 the agreement measured on the validation traces. Each step then drafts from the (e, k) maximizing
 expected tokens per unit of time,
 
-    (1 + alpha_e + ... + alpha_e^k) / (verify + k * (e * layer + head)),
+    (1 + alpha_e + ... + alpha_e^k) / (verify + k * token_e),
 
-k = 0 (plain decoding) included. A fixed exit layer keeps the same length rule on its one layer.
+k = 0 (plain decoding) included, where verify is a verification pass's time and token_e a drafted
+token's from layer e (its e layers over one token and its head), both measured once on this machine
+when the factory builds the drafter (`measure_exit_costs`), since their ratio depends on the runtime: a
+drafted token runs eagerly, one small op at a time, so against a compiled verification it costs more
+(SmolLM2 bf16, 2 threads: a token from layer 2 at 0.09 of an eager verification pass, 0.11 of a
+compiled one). A fixed exit layer keeps the same length rule on its one layer.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from specops.core.cost_model import median_seconds, timing_ids
 from specops.core.drafter import Draft, DrafterBase, TokenStop, refuse_stop
 from specops.core.kv import CachedLM, StaticLM, storage_bytes
 from specops.core.llama import LlamaForward, llama_forward, rms_norm
 from specops.core.policies import expected_tokens
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
-from specops.core.types import SamplingParams
+from specops.core.types import SamplingParams, static_cache_length
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -123,26 +129,35 @@ class ExitHeads(nn.Module):
         return heads.to(dtype).eval()
 
 
-# Costs in the time of one decoder layer run for one drafted token (SmolLM2-135M, bf16, static runtime,
-# width 5). From this repo's documented timings on its 2-core CPU (DESIGN.md, docs/results.md): a bf16
-# static pass of up to 5 rows ~22 ms, of which the 49k-row LM head ~2.3 ms, so a layer ~0.65 ms, an
-# 8192-row exit head ~0.4 ms (0.6 layers) and a verification ~34 layers. (A direct measurement on
-# 2026-11-27 ran on a saturated machine, load average 6 on 2 cores, and was too noisy to use.)
+# Before a measurement (a drafter built by hand, as in the tests): costs in the time of one decoder layer run
+# for one drafted token, from this repo's documented timings of SmolLM2-135M (bf16, static runtime, width 5,
+# 2-core CPU): a pass of up to 5 rows ~22 ms, of which the 49k-row LM head ~2.3 ms, so a layer ~0.65 ms,
+# an 8192-row exit head ~0.4 ms (0.6 layers) and a verification ~34 layers: a token from layer 2 at 0.076
+# of a verification, where `measure_exit_costs` found 0.09 eager and 0.11 compiled.
+NOMINAL_LAYER, NOMINAL_HEAD, NOMINAL_VERIFY = 1.0, 0.6, 34.0
+
+
 @dataclass(frozen=True)
 class ExitCosts:
-    layer: float = 1.0
-    head: float = 0.6
-    verify: float = 34.0
+    """What DEL's choice weighs, in one unit (seconds when measured): a verification pass, and one drafted
+    token from each exit layer of the heads (its first layers over one token, then its head)."""
+
+    verify: float
+    token: tuple[float, ...]  # per exit layer, in the heads' order
+
+    @classmethod
+    def nominal(cls, exit_layers: list[int]) -> ExitCosts:
+        return cls(NOMINAL_VERIFY, tuple(e * NOMINAL_LAYER + NOMINAL_HEAD for e in exit_layers))
 
 
-def choose_exit(alphas: list[float], layers: list[int], costs: ExitCosts, max_k: int) -> tuple[int, int]:
-    """DEL's choice: (candidate index, draft length) maximizing expected tokens per unit of time. k = 0 is
-    plain decoding (its index is then meaningless); ties go to the shorter draft and the shallower layer."""
-    best, choice = 1.0 / costs.verify, (0, 0)
-    for index, (alpha, layer) in enumerate(zip(alphas, layers, strict=True)):
-        per_token = layer * costs.layer + costs.head
+def choose_exit(alphas: list[float], token_costs: list[float], verify: float, max_k: int) -> tuple[int, int]:
+    """DEL's choice: (candidate index, draft length) maximizing expected tokens per unit of time, a step
+    drafting k tokens from candidate i costing `verify + k * token_costs[i]`. k = 0 is plain decoding (its
+    index is then meaningless); ties go to the shorter draft and the earlier candidate."""
+    best, choice = 1.0 / verify, (0, 0)
+    for index, (alpha, per_token) in enumerate(zip(alphas, token_costs, strict=True)):
         for k in range(1, max_k + 1):
-            rate = expected_tokens(alpha, k) / (costs.verify + k * per_token)
+            rate = expected_tokens(alpha, k) / (verify + k * per_token)
             if rate > best:
                 best, choice = rate, (index, k)
     return choice
@@ -226,7 +241,8 @@ class DELDrafter(DrafterBase):
 
     def __init__(self, target_model: PreTrainedModel, heads: ExitHeads, exit_layer: int = 0,
                  costs: ExitCosts | None = None, tracker_weight: float = 16.0) -> None:
-        """`exit_layer` 0 adapts the layer per step; otherwise one of the heads' exit layers, fixed."""
+        """`exit_layer` 0 adapts the layer per step; otherwise one of the heads' exit layers, fixed. `costs`:
+        measured ones (`measure_exit_costs`, as the factory does), else the nominal ones."""
         cfg = heads.config
         if cfg.num_target_layers != target_model.config.num_hidden_layers or cfg.hidden_size != target_model.config.hidden_size:
             raise ValueError(f"The exit heads were trained for a {cfg.num_target_layers}-layer target of hidden size "
@@ -237,7 +253,7 @@ class DELDrafter(DrafterBase):
         self.heads = heads.to(target_model.dtype).eval()
         self.vocab_size = target_model.config.vocab_size
         self.candidates = [cfg.exit_layers.index(exit_layer)] if exit_layer else list(range(len(cfg.exit_layers)))
-        self.costs = costs or ExitCosts()
+        self.costs = costs or ExitCosts.nominal(cfg.exit_layers)
         self.hidden_layers = [cfg.exit_layers[i] - 1 for i in self.candidates]  # the verify pass captures them
         self.tracker = AcceptanceTracker([cfg.prior_acceptance[i] for i in self.candidates], tracker_weight)
         self.forward = llama_forward(target_model)[0]
@@ -266,8 +282,8 @@ class DELDrafter(DrafterBase):
 
     def choose(self, max_k: int) -> tuple[int, int]:
         """(candidate, draft length) for this step from the tracked rates."""
-        layers = [self.heads.config.exit_layers[i] for i in self.candidates]
-        index, k = choose_exit(self.tracker.rates(), layers, self.costs, max_k)
+        tokens = [self.costs.token[i] for i in self.candidates]
+        index, k = choose_exit(self.tracker.rates(), tokens, self.costs.verify, max_k)
         return self.candidates[index], k
 
     def propose(self, context: list[int], k: int, sampling: SamplingParams, generator: Randomness,
@@ -278,16 +294,13 @@ class DELDrafter(DrafterBase):
         head, k = self.choose(k)
         if k == 0:
             return Draft(tokens=[])
-        layers = self.heads.config.exit_layers[head]
-        self.choices.append((layers, k))
+        self.choices.append((self.heads.config.exit_layers[head], k))
         start = self.cache.ready(context, k)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         token = context[-1]
         for j in range(k):  # slot start + j: the last committed token, then the drafts (verification rewrites them)
-            hidden = self.forward.early(torch.tensor([token]), torch.tensor([start + j]), self.cache.keys,
-                                        self.cache.values, self.cache.cos, self.cache.sin, layers)[0, -1]  # [H]
-            logits = expand_draft_vocab(self.heads(hidden, head), self.heads.vocab, self.vocab_size)  # [V]
+            logits = self.token_logits(self.cache, token, start + j, head)
             if sampling.greedy:
                 token = int(argmax(logits))
             else:
@@ -296,6 +309,14 @@ class DELDrafter(DrafterBase):
                 token = draw(probs, generator, j)
             tokens.append(token)
         return Draft(tokens=tokens, q=torch.stack(rows) if rows else None)
+
+    def token_logits(self, cache: EarlyCache, token: int, slot: int, head: int) -> torch.Tensor:
+        """One drafted token's logits [V]: `token` at `slot` through the first layers of exit head `head`
+        (writing their K/V in `cache`), then the head."""
+        layers = self.heads.config.exit_layers[head]
+        hidden = self.forward.early(torch.tensor([token]), torch.tensor([slot]), cache.keys, cache.values,
+                                    cache.cos, cache.sin, layers)[0, -1]  # [H]
+        return expand_draft_vocab(self.heads(hidden, head), self.heads.vocab, self.vocab_size)
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         self._target_next = argmax(logits)  # [n]: the target's next token after each row of the pass
@@ -311,5 +332,30 @@ class DELDrafter(DrafterBase):
         self.tracker.update(slot, predicted == target_next)
 
 
-def load_del_drafter(folder: Path | str, target_model: PreTrainedModel, exit_layer: int = 0) -> DELDrafter:
-    return DELDrafter(target_model, ExitHeads.load(folder, target_model.dtype), exit_layer)
+def measure_exit_costs(drafter: DELDrafter, target_model: PreTrainedModel, width: int, compiled: bool = False,
+                       context_tokens: int = 64, repeats: int = 5) -> ExitCosts:
+    """Seconds, on this machine, of a verification pass as the runtime runs it (`width` rows on the static
+    runtime, compiled or not, reading the drafter's feature layers; on the dynamic runtime, width 0, a pass
+    over 2 tokens) and of one drafted token from each exit layer as `propose` runs it, after
+    `context_tokens` tokens. Medians of `repeats` runs (specops.core.cost_model.median_seconds)."""
+    context = timing_ids(context_tokens)
+    with torch.inference_mode():
+        lm: CachedLM | StaticLM
+        if width:
+            lm = StaticLM(target_model, width, static_cache_length(context_tokens, 0, width), drafter.hidden_layers, compiled)
+        else:
+            lm = CachedLM(target_model, drafter.hidden_layers)
+        lm.prefill(context)
+        rows = timing_ids(width or 2)
+        verify = median_seconds(lambda: lm.forward(rows), lambda: lm.crop(context_tokens), repeats)
+        cache = EarlyCache(drafter.forward, max(drafter.heads.config.exit_layers))
+        start = cache.ready(context, 1)
+        token = tuple(median_seconds(lambda i=i: argmax(drafter.token_logits(cache, context[-1], start, i)),
+                                     lambda: None, repeats)
+                      for i in range(len(drafter.heads.config.exit_layers)))
+    return ExitCosts(verify, token)
+
+
+def load_del_drafter(folder: Path | str, target_model: PreTrainedModel, exit_layer: int = 0,
+                     costs: ExitCosts | None = None) -> DELDrafter:
+    return DELDrafter(target_model, ExitHeads.load(folder, target_model.dtype), exit_layer, costs)

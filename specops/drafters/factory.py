@@ -22,7 +22,7 @@ from specops.core.types import SamplingParams
 from specops.drafters.acceptance_head import HEAD_COMPONENT, AcceptanceHead
 from specops.drafters.aligned_head.drafter import load_aligned_drafter
 from specops.drafters.cosine import CosineSettings, load_cosine
-from specops.drafters.del_exit import load_del_drafter
+from specops.drafters.del_exit import load_del_drafter, measure_exit_costs
 from specops.drafters.draft_lm import DraftLMDrafter, load_draft
 from specops.drafters.kinds import DRAFTERS, DecodingConfig, drafter_kind
 from specops.drafters.prompt_lookup import PromptLookupDrafter
@@ -70,7 +70,10 @@ def build_drafter(kind: str, target: Target, config: DecodingConfig, weights: st
     if spec.weights == "aligned_head":
         return load_aligned_drafter(weights, target.model, nodes, config.tree_top_k)
     if spec.weights == "exit_heads":
-        return load_del_drafter(weights, target.model, config.del_exit_layer)
+        drafter = load_del_drafter(weights, target.model, config.del_exit_layer)
+        # Its choice of exit layer and length weighs these times, measured here once, on this machine.
+        drafter.costs = measure_exit_costs(drafter, target.model, config.static_width, config.compiled)
+        return drafter
     if spec.weights == "specialists":
         settings = CosineSettings(config.cosine_decay, config.cosine_temperature, nodes)
         cosine = load_cosine(weights, target.vocab_size, target.model.dtype, settings, config.tree_top_k)

@@ -119,14 +119,14 @@ def test_del_matches_hf_greedy_on_the_dynamic_runtime_with_its_own_cache():
     assert drafter.cache.shared is None and drafter.choices
 
 
-def reference_choice(alphas: list[float], layers: list[int], costs: ExitCosts, max_k: int) -> tuple[int, int]:
+def reference_choice(alphas: list[float], token_costs: list[float], verify: float, max_k: int) -> tuple[int, int]:
     """Plain reference: expected tokens from the distribution of the accepted count n (P(n) = a^n (1 - a)
-    for n < k, a^k for n = k), every (layer, k) scored, the best by (rate, shorter, shallower)."""
-    def rate(alpha: float, layer: int, k: int) -> float:
+    for n < k, a^k for n = k), every (candidate, k) scored, the best by (rate, shorter, earlier)."""
+    def rate(alpha: float, per_token: float, k: int) -> float:
         tokens = sum((n + 1) * alpha ** n * (1 - alpha) for n in range(k)) + (k + 1) * alpha ** k
-        return tokens / (costs.verify + k * (layer * costs.layer + costs.head))
-    options = [(1 / costs.verify, 0, 0, 0)] + [(rate(a, e, k), -k, -i, i) for i, (a, e) in enumerate(zip(alphas, layers, strict=True))
-                                                for k in range(1, max_k + 1)]
+        return tokens / (verify + k * per_token)
+    options = [(1 / verify, 0, 0, 0)] + [(rate(a, c, k), -k, -i, i) for i, (a, c) in enumerate(zip(alphas, token_costs, strict=True))
+                                         for k in range(1, max_k + 1)]
     best = max(options, key=lambda o: (round(o[0], 12), o[1], o[2]))
     return (best[3], -best[1]) if best[1] else (0, 0)
 
@@ -137,26 +137,39 @@ def test_choose_exit_matches_the_reference():
     chose_some = set()
     for _ in range(300):
         alphas = torch.rand(4, generator=rng).tolist()
-        costs = ExitCosts(layer=1.0, head=float(torch.rand(1, generator=rng)) * 2, verify=20 + 20 * float(torch.rand(1, generator=rng)))
-        got = choose_exit(alphas, layers, costs, 4)
-        assert got == reference_choice(alphas, layers, costs, 4), (alphas, costs)
+        head = float(torch.rand(1, generator=rng)) * 2
+        token_costs = [layer + head for layer in layers]
+        verify = 20 + 20 * float(torch.rand(1, generator=rng))
+        got = choose_exit(alphas, token_costs, verify, 4)
+        assert got == reference_choice(alphas, token_costs, verify, 4), (alphas, token_costs, verify)
         chose_some.add(got)
     assert len({c[0] for c in chose_some if c[1]}) > 1 and (0, 0) in chose_some  # several layers, and plain decoding
 
 
 def test_adaptive_exit_follows_the_tracked_acceptance():
     target = make_target()
-    drafter = DELDrafter(target.model, make_heads(target, prior=0.5), 0, ExitCosts(layer=1.0, head=0.5, verify=20.0))
+    drafter = DELDrafter(target.model, make_heads(target, prior=0.5), 0, ExitCosts(20.0, (1.5, 2.5, 3.5)))
     for _ in range(60):  # layer 2's head agrees with the target, layers 1 and 3's do not
         for slot, agree in ((0, False), (1, True), (2, False)):
             drafter.tracker.update(slot, torch.tensor([agree]))
     assert drafter.choose(3) == (1, 3)
+    drafter.costs = ExitCosts(20.0, (1.5, 12.0, 3.5))  # the same rates, but layer 2's tokens measured slow
+    assert drafter.choose(3) == (1, 1)  # still layer 2 (the others' drafts fail), one token at a time
     drafter.tracker.reset()
-    drafter.costs = ExitCosts(layer=1.0, head=0.5, verify=6.0)  # a cheap verification: drafting must earn more
+    drafter.costs = ExitCosts(6.0, (1.5, 2.5, 3.5))  # a cheap verification: drafting must earn more
     for _ in range(60):
         for slot in range(3):
             drafter.tracker.update(slot, torch.tensor([False]))
     assert drafter.choose(3) == (0, 0)  # nothing pays: plain decoding
+
+
+def test_measured_exit_costs_follow_the_exit_layer(target):
+    """The factory measures the costs on this machine (no wall-clock bound asserted: only their shape)."""
+    drafter = DELDrafter(target.model, make_heads(target), 0)
+    assert drafter.costs == ExitCosts.nominal(EXITS)
+    costs = del_exit.measure_exit_costs(drafter, target.model, WIDTH, repeats=2)
+    assert len(costs.token) == len(EXITS) and costs.verify > 0 and all(t > 0 for t in costs.token)
+    assert del_exit.measure_exit_costs(drafter, target.model, 0, repeats=1).verify > 0  # the dynamic runtime
 
 
 def test_tracker_forgets_and_keeps_its_prior():
@@ -180,6 +193,7 @@ def test_heads_round_trip_and_the_factory(tmp_path, target):
     config = MethodSpec.parse("del@2").decoding(DecodingConfig(drafter="del", static_width=WIDTH))
     built = build_drafter("del", target, config, tmp_path)
     assert isinstance(built, del_exit.DELDrafter) and built.candidates == [1] and built.hidden_layers == [1]
+    assert built.costs != ExitCosts.nominal(EXITS) and built.costs.verify < 1.0  # measured here, in seconds
     with pytest.raises(ValueError, match="No exit head after layer 5"):
         build_drafter("del", target, MethodSpec.parse("del@5").decoding(), tmp_path)
     with pytest.raises(ValueError, match="exit heads folder"):
