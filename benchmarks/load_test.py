@@ -8,8 +8,13 @@ equal its texts alone (batched passes are exact); with --fresh-prompts each conc
 requests instead. Either way every server's texts must equal the others' (greedy is the target's own
 output). Writes JSON and a PNG of throughput and latency against concurrency.
 
+A phase of 32 requests at 8 users lasts ~15 s, and on a shared 2-core machine the same server's
+throughput moves by 20-30% from one run to the next (the champion over drafting off at 8 users read
+0.78x in one run, 1.22x and 1.07x in the next two, same protocol, nothing else running). `--rounds N` repeats everything on fresh servers
+and reports per-level medians, with every server's throughput over the first's, round by round.
+
     .venv/bin/python benchmarks/load_test.py --concurrency 1 2 4 8 16 --requests 32 --max-tokens 64 \
-        --out benchmarks/results/load_test_batched.json
+        --fresh-prompts --rounds 3 --out benchmarks/results/load_test_rounds.json
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import platform
 import re
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -228,10 +234,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-port", type=int, default=18400, help="servers listen on base-port, base-port+1, ...")
     parser.add_argument("--rss-interval-s", type=float, default=0.05,
                         help="how often each server's resident memory is sampled during the phases")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat everything on fresh servers; results are then per-level medians over the rounds "
+                             "(counts summed), with each round's report and every server's throughput over the first "
+                             "server's, round by round")
     parser.add_argument("--out", default="benchmarks/results/load_test.json")
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
-        parser.error("--requests, --max-tokens and --concurrency must be >= 1")
+    if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.rounds < 1:
+        parser.error("--requests, --max-tokens, --concurrency and --rounds must be >= 1")
     return args
 
 
@@ -259,21 +269,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    phases = len(args.concurrency) if args.fresh_prompts else 1
-    pool = bench_prompts(args.dataset, args.requests * phases)
-    if len(pool) < args.requests * phases and args.fresh_prompts:
-        raise SystemExit(f"--fresh-prompts needs {args.requests * phases} prompts; {args.dataset} has {len(pool)}.")
-    pool = [pool[i % len(pool)] for i in range(args.requests * phases)]
+def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases: int) -> dict[str, Any]:
+    """Fresh servers, every phase on each, then stopped: one round's results, memory and texts."""
     folder = Path(tempfile.mkdtemp(prefix="specops-load-"))
     servers = [start_server(spec, args.base_port + i, folder, args) for i, spec in enumerate(args.servers)]
     names = [server.drafter for server in servers]
-    report: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_start": os.getloadavg()},
-        "results": {name: {} for name in names},
-    }
+    report: dict[str, Any] = {"load_avg_start": os.getloadavg(), "results": {name: {} for name in names}}
     texts: dict[str, dict[int, list[str]]] = {name: {} for name in names}
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             server.process.terminate()
         for server in servers:
             server.process.wait(timeout=60)
-    report["machine"]["load_avg_end"] = os.getloadavg()
+    report["load_avg_end"] = os.getloadavg()
     first = args.concurrency[0]
     # Exactness under load: every phase's texts equal the same server's at the first concurrency (alone
     # when that is 1). Speculative == plain decoding through the same runtime is the evaluate stage's check.
@@ -320,6 +321,71 @@ def main(argv: list[str] | None = None) -> None:
     report["text_differences"] = {  # each request on which servers disagreed, with every server's text
         str(c): [{"request": i, **{name: texts[name][c][i] for name in names}} for i in range(len(texts[names[0]][c]))
                  if len({texts[name][c][i] for name in names}) > 1] for c in args.concurrency}
+    return report
+
+
+SUMMED = ("requests", "errors", "completion_tokens", "rows_logged", "server_5xx")  # over rounds; other numbers: medians
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per server and concurrency: counts summed over the rounds, other numbers their median, and every
+    round's throughput (a shared machine moves a round by tens of percent; the median resists one bad round)."""
+    combined: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, levels in rounds[0]["results"].items():
+        combined[name] = {}
+        for level in levels:
+            phases = [r["results"][name][level] for r in rounds]
+            summary: dict[str, Any] = {}
+            for field, value in phases[0].items():
+                values = [phase[field] for phase in phases]
+                if field in SUMMED:
+                    summary[field] = sum(values)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    numbers = [v for v in values if v is not None]
+                    summary[field] = round(statistics.median(numbers), 4) if numbers else None
+                elif field == "error_samples":
+                    summary[field] = sorted({e for phase in phases for e in phase[field]})[:3]
+            summary["throughput_tok_s_rounds"] = [phase["throughput_tok_s"] for phase in phases]
+            combined[name][level] = summary
+    return combined
+
+
+def against(rounds: list[dict[str, Any]], baseline: str) -> dict[str, dict[str, list[float]]]:
+    """Each server's throughput over the baseline server's, per concurrency, round by round."""
+    return {name: {level: [round(r["results"][name][level]["throughput_tok_s"]
+                                 / r["results"][baseline][level]["throughput_tok_s"], 3) for r in rounds]
+                   for level in levels}
+            for name, levels in rounds[0]["results"].items() if name != baseline}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    phases = len(args.concurrency) if args.fresh_prompts else 1
+    pool = bench_prompts(args.dataset, args.requests * phases)
+    if len(pool) < args.requests * phases and args.fresh_prompts:
+        raise SystemExit(f"--fresh-prompts needs {args.requests * phases} prompts; {args.dataset} has {len(pool)}.")
+    pool = [pool[i % len(pool)] for i in range(args.requests * phases)]
+    report: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_start": os.getloadavg()},
+    }
+    rounds = []
+    for index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {index + 1} of {args.rounds}", flush=True)
+        rounds.append(run_round(args, pool, phases))
+    report["machine"]["load_avg_end"] = os.getloadavg()
+    baseline = args.servers[0].partition("=")[0]
+    if args.rounds == 1:  # one round's report as it is
+        report.update({k: v for k, v in rounds[0].items() if not k.startswith("load_avg")})
+    else:
+        report["results"] = combine(rounds)
+        report["rounds"] = rounds
+    report["throughput_vs_" + baseline] = against(rounds, baseline)
+    for name, levels in report["throughput_vs_" + baseline].items():
+        print(f"{name:>14} / {baseline}: " + ", ".join(f"c={level} {statistics.median(ratios):.2f}x "
+                                                       f"({min(ratios):.2f}-{max(ratios):.2f})"
+                                                       for level, ratios in levels.items()), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
