@@ -2,8 +2,9 @@
 
 The pure rules are tested in test_verify_distribution.py. Here the whole `SpeculativeGenerator` runs:
 its cache and rollback, every drafter kind (chain and tree, model-free and model-based, feature
-readers), every sampling verifier and every draft-length policy, at temperature 1 and with top-k and
-top-p. Target and draft are `TableLM`s, exact fp64 conditional tables over 3 tokens, so the exact
+readers) under the sampling verifiers whose output depends on the draft (rejection, block), the coupled
+verifier (whose output is plain coupled sampling's, bitwise, for every drafter: tested below) through the
+draft LM, and every draft-length policy, at temperature 1 and with top-k and top-p. Target and draft are `TableLM`s, exact fp64 conditional tables over 3 tokens, so the exact
 distribution of any window of generated tokens is known; chi-square tests compare it with N seeded
 generations of 8 tokens, on the first three (the first step drafts K = 3 tokens, so block
 verification's interior h_i are exercised) and on the last three (after several steps of cache
@@ -216,10 +217,13 @@ HEAD_POLICIES = ("specdecpp", "goodput_head")
 SAMPLING_VERIFIERS = [v for v in VERIFIERS if v != "greedy"]
 # Which drafters each policy sets the length of (as specops.drafters.factory allows), and the fixed policy for all.
 # cosine-suffix composes two drafters checked under every verifier (cosine, draft-lm-suffix): rejection, whose
-# output depends on the drafts' q, checks the composition.
+# output depends on the drafts' q, checks the composition. Under coupled verification every drafter's output is
+# plain coupled sampling's, bitwise (test_coupled_runs_draw_what_plain_coupled_sampling_draws below), so the
+# distribution is checked there through the draft LM alone, under every policy.
 CHAIN_CASES = [(d, v, p) for d in CHAIN_DRAFTERS for v in SAMPLING_VERIFIERS for p in POLICIES
                if (p == "fixed" or (d == "draft-lm" and p != "fixed") or (d == "prompt-lookup" and p in ("heuristic", "goodput"))
-                   or (d == "draft-lm-suffix" and p == "specdecpp")) and (d != "cosine-suffix" or v == "rejection")]
+                   or (d == "draft-lm-suffix" and p == "specdecpp")) and (d != "cosine-suffix" or v == "rejection")
+               and (v != "coupled" or d == "draft-lm")]
 
 
 def test_every_policy_is_covered():
@@ -344,11 +348,12 @@ LLAMA = LlamaTable()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("verifier", SAMPLING_VERIFIERS)
-def test_del_samples_the_target_distribution(verifier):
+def test_del_samples_the_target_distribution():
+    """Under rejection, whose output depends on DEL's q (block's rule is checked with every chain drafter above;
+    coupled DEL is bitwise plain coupled sampling, tests/drafters/test_del_exit.py)."""
     drafter = LLAMA.del_drafter()
-    generator = SpeculativeGenerator(LLAMA.target(), drafter, verifier, K)
-    assert report(f"del {verifier}", sampled_p_value(generator, lm=LLAMA)) > ALPHA
+    generator = SpeculativeGenerator(LLAMA.target(), drafter, "rejection", K)
+    assert report("del rejection", sampled_p_value(generator, lm=LLAMA)) > ALPHA
     assert drafter.choices, "DEL never drafted: the test would prove nothing"
 
 
