@@ -356,6 +356,5 @@ def measure_exit_costs(drafter: DELDrafter, target_model: PreTrainedModel, width
     return ExitCosts(verify, token)
 
 
-def load_del_drafter(folder: Path | str, target_model: PreTrainedModel, exit_layer: int = 0,
-                     costs: ExitCosts | None = None) -> DELDrafter:
-    return DELDrafter(target_model, ExitHeads.load(folder, target_model.dtype), exit_layer, costs)
+def load_del_drafter(folder: Path | str, target_model: PreTrainedModel, exit_layer: int = 0) -> DELDrafter:
+    return DELDrafter(target_model, ExitHeads.load(folder, target_model.dtype), exit_layer)
