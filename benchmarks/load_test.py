@@ -10,8 +10,9 @@ output). Writes JSON and a PNG of throughput and latency against concurrency.
 
 A phase of 32 requests at 8 users lasts ~15 s, and on a shared 2-core machine the same server's
 throughput moves by 20-30% from one run to the next (the champion over drafting off at 8 users read
-0.78x in one run, 1.22x and 1.07x in the next two, same protocol, nothing else running). `--rounds N` repeats everything on fresh servers
-and reports per-level medians, with every server's throughput over the first's, round by round.
+0.78x in one run, 1.22x and 1.07x in the next two, same protocol, nothing else running). `--rounds N`
+repeats everything on fresh servers and reports per-level medians, with every server's throughput over
+the first's, round by round.
 
     .venv/bin/python benchmarks/load_test.py --concurrency 1 2 4 8 16 --requests 32 --max-tokens 64 \
         --fresh-prompts --rounds 3 --out benchmarks/results/load_test_rounds.json
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {index + 1} of {args.rounds}", flush=True)
         rounds.append(run_round(args, pool, phases))
     report["machine"]["load_avg_end"] = os.getloadavg()
-    baseline = args.servers[0].partition("=")[0]
+    baseline = next(iter(rounds[0]["results"]))  # the first server's name
     if args.rounds == 1:  # one round's report as it is
         report.update({k: v for k, v in rounds[0].items() if not k.startswith("load_avg")})
     else:

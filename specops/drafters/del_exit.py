@@ -342,7 +342,8 @@ def measure_exit_costs(drafter: DELDrafter, target_model: PreTrainedModel, width
     with torch.inference_mode():
         lm: CachedLM | StaticLM
         if width:
-            lm = StaticLM(target_model, width, static_cache_length(context_tokens, 0, width), drafter.hidden_layers, compiled)
+            length = static_cache_length(context_tokens, 0, width)
+            lm = StaticLM(target_model, width, length, drafter.hidden_layers, compiled)
         else:
             lm = CachedLM(target_model, drafter.hidden_layers)
         lm.prefill(context)

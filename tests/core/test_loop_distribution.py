@@ -4,11 +4,11 @@ The pure rules are tested in test_verify_distribution.py. Here the whole `Specul
 its cache and rollback, every drafter kind (chain and tree, model-free and model-based, feature
 readers) under the sampling verifiers whose output depends on the draft (rejection, block), the coupled
 verifier (whose output is plain coupled sampling's, bitwise, for every drafter: tested below) through the
-draft LM, and every draft-length policy, at temperature 1 and with top-k and top-p. Target and draft are `TableLM`s, exact fp64 conditional tables over 3 tokens, so the exact
-distribution of any window of generated tokens is known; chi-square tests compare it with N seeded
-generations of 8 tokens, on the first three (the first step drafts K = 3 tokens, so block
-verification's interior h_i are exercised) and on the last three (after several steps of cache
-rollback, drafter state and policy updates).
+draft LM, and every draft-length policy, at temperature 1 and with top-k and top-p. Target and draft are
+`TableLM`s, exact fp64 conditional tables over 3 tokens, so the exact distribution of any window of
+generated tokens is known; chi-square tests compare it with N seeded generations of 8 tokens, on the
+first three (the first step drafts K = 3 tokens, so block verification's interior h_i are exercised)
+and on the last three (after several steps of cache rollback, drafter state and policy updates).
 
 Must-fail controls, run with the same seeds and sample sizes as the correct ones, show the test has the
 power to catch: the old goodput_head trim applied while sampling (it verifies a prefix chosen from each

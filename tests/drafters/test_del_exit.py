@@ -163,7 +163,7 @@ def test_adaptive_exit_follows_the_tracked_acceptance():
     assert drafter.choose(3) == (0, 0)  # nothing pays: plain decoding
 
 
-def test_measured_exit_costs_follow_the_exit_layer(target):
+def test_exit_costs_are_measured_on_both_runtimes(target):
     """The factory measures the costs on this machine (no wall-clock bound asserted: only their shape)."""
     drafter = DELDrafter(target.model, make_heads(target), 0)
     assert drafter.costs == ExitCosts.nominal(EXITS)
