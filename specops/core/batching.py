@@ -11,7 +11,9 @@ different numbers of tokens without padding tokens; see specops.core.kv.StaticLM
 
 Exactness: a row's logits are bitwise the same alone or in any batch when neither the products nor
 attention change a row with the pass's shape. bf16 `F.linear` agreed over 2 to 96 rows for every
-SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel, hence `types.MIN_ROWS`);
+SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel, hence `types.MIN_ROWS`), and
+later over 1 to 1024 rows on random weights of those shapes, a row anywhere in the pass; the packed
+products the lean forward runs are F.linear's sums (specops.core.packed_linear);
 `LlamaForward.attention` agrees over query counts and batch sizes (SDPA's flash kernel did not: it
 changed rows with the query count on the real target). Both hold only while every product runs on
 oneDNN: torch sends a CPU matmul there when batch x m x n x k exceeds 16**3 and sums smaller ones
@@ -67,7 +69,7 @@ from transformers import PreTrainedModel
 from specops.core.cost_model import CostModel, DecayedRatio, PassFit, StepCosts
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
-from specops.core.types import MIN_ROWS, STATIC_BUCKET
+from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, STATIC_BUCKET
 
 DEFAULT_WINDOW_S = 0.002  # how long a pass waits for the other sequences' passes before running without them
 IDLE_EXIT_S = 5.0  # the pass thread ends after this long without work (a swapped-out model's batcher goes quiet)
@@ -87,11 +89,6 @@ def on_short_thread(work: Callable[[], T], name: str = "specops-setup") -> T:
 
     with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
         return pool.submit(run).result()
-
-
-# torch's CPU matmuls run on oneDNN only above this many multiply-adds (batch x m x n x k; `checksize` in
-# aten/src/ATen/native/mkldnn/Matmul.cpp); smaller ones take a kernel that sums in another order.
-ONEDNN_MIN_WORK = 16**3
 
 
 def batch_invariant(model: PreTrainedModel) -> bool:

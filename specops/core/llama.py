@@ -6,9 +6,11 @@ of which the matrix products streaming the weights were about 25. Here one pass 
 few elementwise ops per layer, in the spirit of gpt-fast: q, k and v come from one fused product, gate
 and up from another, the rotary tables are built once per cache, keys and values are written in place.
 
-Compiled (`compiled=True`), inductor freezes the weights, autotunes each product (its C++ GEMM template
-against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same pass took 14-19 ms
-(docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
+Eager, the products run on weights packed once into oneDNN's layout (specops.core.packed_linear: F.linear's
+sums, without its reorder of every weight on every call): SmolLM2's 5-row bf16 pass took 14.9 ms against
+18.6 through F.linear. Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
+(its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
+pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
 its eager attention for decoding passes and SDPA for a prompt's prefill), so eager logits match its
 forward; compiled ones differ by kernel rounding, the same for every pass of the same shape, which is
 what batch invariance needs (specops.core.kv).
@@ -25,10 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specops.core.packed_linear import linear, pack
 from specops.core.types import MIN_ROWS
 
-# Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU; the products inductor picks under
-# max-autotune (its CPP GEMM template or ATen's mm on frozen weights) reach ~24, the machine's bandwidth.
+# Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU (oneDNN reorders them every call); the
+# products inductor picks under max-autotune on frozen weights, and the eager ones on weights packed once
+# (specops.core.packed_linear), reach ~24, the machine's bandwidth.
 # Rope types whose rotation is a fixed function of the position (not of the sequence length), so the rotary
 # tables are built once per cache and cached keys can be moved to other positions (specops.core.kv).
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -94,6 +98,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+class _Packed(NamedTuple):
+    """LlamaForward's decoder weights in oneDNN's layout, per layer (None where F.linear stays)."""
+
+    qkv: list[torch.Tensor | None]
+    o: list[torch.Tensor | None]
+    gate_up: list[torch.Tensor | None]
+    down: list[torch.Tensor | None]
+
+    @classmethod
+    def none(cls, layers: int) -> _Packed:
+        return cls([None] * layers, [None] * layers, [None] * layers, [None] * layers)
+
+
+
 class LlamaForward(nn.Module):
     """A Llama model's decoder as one function of (tokens, positions, cache): the weights are copied in
     fused, the cache is passed in as per-layer tensors (one tensor per layer keeps inductor's in-place
@@ -132,6 +150,13 @@ class LlamaForward(nn.Module):
         tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         self.head = self.embed if tied else _frozen(model.lm_head.weight)
         self.dtype = model.dtype
+        # The eager passes' products on weights packed once (bf16 on a CPU: F.linear's sums, twice as fast);
+        # a plain attribute, not parameters, so torch.compile sees only the plain weights and packs its own.
+        self.packed = _Packed([pack(w) for w in self.qkv], [pack(w) for w in self.o], [pack(w) for w in self.gate_up],
+                              [pack(w) for w in self.down])
+        self._packed_head: torch.Tensor | None = None  # packed at its first use: a draft LM applies its own head
+        self._head_packed = False
+        self.packing = True  # False: F.linear on the plain weights, the same values (A/B timing: benchmarks/packed_linear.py)
 
     @property
     def num_layers(self) -> int:
@@ -187,7 +212,7 @@ class LlamaForward(nn.Module):
         captured = self.decoder(segments, self.num_layers, MIN_ROWS)
         out = rms_norm(captured[-1], self.norm, self.eps)
         if head:
-            out = F.linear(out, self.head)
+            out = self._head(out)
         layers = torch.stack(captured, 1)
         return list(zip(out[:real].split(sizes), layers[:real].split(sizes), strict=True))
 
@@ -206,10 +231,11 @@ class LlamaForward(nn.Module):
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         ids = torch.cat([segment.ids for segment in segments])
         x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
+        packed = self._products()
         captured = []
         for i in range(layers):
             h = rms_norm(x, self.attn_norm[i], self.eps)
-            q, k, v = F.linear(h, self.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = linear(h, self.qkv[i], packed.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
             q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
             k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
             v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -222,12 +248,24 @@ class LlamaForward(nn.Module):
                     segment.keys[i][branch, :, slot] = k[:, row].transpose(0, 1)
                     segment.values[i][branch, :, slot] = v[:, row].transpose(0, 1)
             att = plan.attend(q, i)
-            x = x + F.linear(att.transpose(0, 1).reshape(n, q_size), self.o[i])
+            x = x + linear(att.transpose(0, 1).reshape(n, q_size), self.o[i], packed.o[i])
             h = rms_norm(x, self.mlp_norm[i], self.eps)
-            gate, up = F.linear(h, self.gate_up[i]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, self.down[i])
+            gate, up = linear(h, self.gate_up[i], packed.gate_up[i]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, self.down[i], packed.down[i])
             captured.append(x)
         return captured
+
+    def _products(self) -> _Packed:
+        """The packed weights, except while torch.compile traces (it must not see oneDNN's opaque tensors) and
+        with packing off."""
+        return _Packed.none(self.num_layers) if torch.compiler.is_compiling() or not self.packing else self.packed
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not self.packing:
+            return F.linear(x, self.head)
+        if not self._head_packed:  # two threads may both pack it: the same values, one copy kept
+            self._packed_head, self._head_packed = pack(self.head), True
+        return linear(x, self.head, self._packed_head)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """transformers' eager Llama attention over a batch of sequences with caches of one length:

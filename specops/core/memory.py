@@ -18,6 +18,8 @@ config's attributes) and the decoding settings, after reading what the runtime a
     copies) and returns logits for every row of a decoding pass (a prefill runs without the head), so
     2 x n x L x H activations; a verification pass of `width` rows the same at its width; sampled
     verification makes float32 probabilities of every row and sorts them for top-p (specops.core.sampling);
+    concurrent generations prefill one at a time (on the batcher's pass thread), so at the serving peak
+    one request holds its peak and the others what they hold while decoding (`RequestMemory.held`);
   * tree buffers on the dynamic runtime: the tree's rows of logits and its additive mask;
   * a fixed process overhead (Python, torch, transformers, the server's imports) and the transient of
     dequantizing the GGUF at load time, both measured on this machine, and a residue calibrated on one
@@ -33,7 +35,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from specops.core.types import MIN_ROWS, static_cache_length
+from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, static_cache_length
 
 # Process overhead: VmRSS of `python -c "import specops.server.app"` after the import (torch 2.13,
 # transformers 5.23, fastapi, uvicorn; no model), median of 3 runs on this repo's 2-core machine
@@ -105,6 +107,16 @@ class ModelShape:
         return embeddings + self.layers * self.layer_params + self.hidden
 
     @property
+    def packed_params(self) -> int:
+        """What specops.core.packed_linear packs of the lean forward's products in bf16: every weight over
+        ONEDNN_MIN_WORK elements (q|k|v, o, gate|up, down per layer, and the LM head)."""
+        q = self.heads * self.head_dim
+        per_layer = (self.qkv_params, q * self.hidden, 2 * self.intermediate * self.hidden, self.hidden * self.intermediate)
+        packed = [n for n in per_layer if n > ONEDNN_MIN_WORK]
+        head = self.vocab * self.hidden
+        return self.layers * sum(packed) + (head if head > ONEDNN_MIN_WORK else 0)
+
+    @property
     def linear_params(self) -> int:
         """Parameters of the nn.Linear layers (the LM head included, tied or not)."""
         return self.layers * (self.layer_params - 2 * self.hidden) + self.vocab * self.hidden
@@ -160,10 +172,11 @@ class TargetWeights:
     lean_copy: int  # the static runtime's fused q|k|v and gate|up copies (0 on the dynamic runtime)
     transposed: int  # float32 dynamic runtime: SmallBatchLinear's transposed copies
     dtype_bytes: int
+    packed: int = 0  # bf16 static runtime: the lean forward's products packed for oneDNN
 
     @property
     def bytes(self) -> int:
-        return (self.params + self.lean_copy + self.transposed) * self.dtype_bytes
+        return (self.params + self.lean_copy + self.transposed + self.packed) * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -191,8 +204,15 @@ class RequestMemory:
 
     @property
     def bytes(self) -> int:
-        # A request prefills, then decodes: its pass buffers are one or the other, never both.
+        """At its peak: a request prefills, then decodes; its pass buffers are one or the other, never both."""
         return self.target_kv + self.rotary + self.draft_kv + max(self.prefill, self.verification + self.tree)
+
+    @property
+    def held(self) -> int:
+        """While it decodes: its caches and one verification pass's buffers. Concurrent generations prefill one
+        at a time (each prefill is a pass of its own on the batcher's one pass thread, specops.core.batching),
+        so beside one request at its peak the others hold this."""
+        return self.target_kv + self.rotary + self.draft_kv + self.verification + self.tree
 
 
 @dataclass(frozen=True)
@@ -213,7 +233,8 @@ class MemoryReport:
     @property
     def serving_peak_bytes(self) -> int:
         draft = self.draft.bytes if self.draft is not None else 0
-        return self.overhead + self.residue + self.target.bytes + draft + self.concurrency * self.request.bytes
+        return (self.overhead + self.residue + self.target.bytes + draft + self.request.bytes
+                + (self.concurrency - 1) * self.request.held)
 
     @property
     def peak_bytes(self) -> int:
@@ -257,7 +278,9 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
     static = decoding.static_width > 0
     fp32_small_batch = decoding.dtype == "float32"  # load_target / load_draft swap their linears then
     lean = target.layers * (target.qkv_params + 2 * target.hidden * target.intermediate) if static else 0
-    weights = TargetWeights(target.params, lean, target.linear_params if fp32_small_batch and not static else 0, b)
+    packed = target.packed_params if static and decoding.dtype == "bfloat16" else 0
+    weights = TargetWeights(target.params, lean, target.linear_params if fp32_small_batch and not static else 0, b,
+                            packed)
     draft_weights = None
     if draft is not None:
         # The draft runs its decoder through SmallBatchLinear; its head too unless it drafts a reduced vocabulary.

@@ -167,8 +167,8 @@ def plan_memory(budget: int, target: ModelShape, base: DecodingShape, space: Pla
         if one.peak_bytes > usable:
             continue
         # Serving memory is fixed + slots x per-slot: solve for the most slots.
-        fixed = one.serving_peak_bytes - one.request.bytes
-        most = min(max(space.batches()), (usable - fixed) // one.request.bytes)
+        fixed = one.serving_peak_bytes - one.request.held
+        most = min(max(space.batches()), (usable - fixed) // one.request.held)
         for batch in range(1, most + 1):
             value = goodput(cost, space, width, k, nodes, batch)
             report = _report(target, base, draft, draft_vocab, width, k, nodes, batch, space.min_context)

@@ -16,6 +16,10 @@ DEFAULT_PREFILL_CHUNK = 512
 # agree), so a lone token would round differently from the same token in a batch or a verification pass.
 MIN_ROWS = 2
 
+# torch's CPU matmuls run on oneDNN only above this many multiply-adds (batch x m x n x k; `checksize` in
+# aten/src/ATen/native/mkldnn/Matmul.cpp); smaller ones take a kernel that sums in another order.
+ONEDNN_MIN_WORK = 16**3
+
 # Static cache lengths are rounded up to this. Attention reads every slot, stale or not, so a small step
 # wastes less: a 250-token prompt and 128 new tokens take 384 slots, and compiled bf16 plain decoding
 # 20.6 ms a token there, against 21.3 ms with 512 (2026-11-25).

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -39,6 +38,7 @@ from specops.core.batching import PassBatcher, batch_invariant
 from specops.core.drafter import Draft, DrafterBase, TokenStop
 from specops.core.kv import CachedLM, StaticLM, rotary_frequencies, storage_bytes
 from specops.core.llama import UnsupportedModelError, llama_forward, rms_norm
+from specops.core.packed_linear import linear, pack
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.small_batch_linear import use_small_batch_linear
 from specops.core.types import DEFAULT_PREFILL_CHUNK, SamplingParams, static_cache_length
@@ -88,10 +88,11 @@ def load_draft(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> tup
     return load_draft_model(model_dir, dtype), load_draft_vocab(model_dir)
 
 
-def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """hidden [..., H], the LM head's rows for the draft vocabulary [N, H] -> logits [..., vocab_size],
-    -inf outside the draft vocabulary."""
-    return expand_draft_vocab(F.linear(hidden, head_rows), vocab, vocab_size)
+def vocab_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [..., H], the LM head's rows for the draft vocabulary [N, H] (and `pack(head_rows)`, the same
+    product faster in bf16) -> logits [..., vocab_size], -inf outside the draft vocabulary."""
+    return expand_draft_vocab(linear(hidden, head_rows, packed), vocab, vocab_size)
 
 
 def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -101,7 +102,8 @@ def draft_head(model: PreTrainedModel, vocab: torch.Tensor | None) -> Callable[[
     if vocab is None:
         return head
     rows = head.weight[vocab].detach()
-    return lambda hidden: vocab_logits(hidden, rows, vocab, head.weight.shape[0])
+    packed = pack(rows)
+    return lambda hidden: vocab_logits(hidden, rows, vocab, head.weight.shape[0], packed)
 
 
 class StaticDraftLM:

@@ -90,6 +90,7 @@ def _our_method(generator: SpeculativeGenerator, max_new_tokens: int) -> Method:
     def run(ids: list[int]) -> tuple[list[int], GenerationStats | None]:
         result = generator.generate(ids, max_new_tokens)
         return result.token_ids, result.stats
+    run.generator = generator  # type: ignore[attr-defined]  # for variants of the same method (benchmarks/packed_linear.py)
     return run
 
 

@@ -74,6 +74,12 @@ def test_static_runtime_bytes_are_what_it_allocates(dtype):
     forward = llama_forward(model)[0]
     fused = nbytes([*forward.qkv, *forward.gate_up])  # the lean forward's copies; the rest is shared
     assert report.target.lean_copy * report.target.dtype_bytes == fused
+    with torch.inference_mode():  # the head is packed at its first use
+        forward.forward(torch.tensor([3, 4]), torch.tensor([0, 1]), *forward.new_cache(64), *forward.tables(64))
+    packed = [t for t in (*forward.packed.qkv, *forward.packed.o, *forward.packed.gate_up, *forward.packed.down,
+                          forward._packed_head) if t is not None]
+    assert (dtype == torch.bfloat16) == bool(packed)
+    assert report.target.packed * report.target.dtype_bytes == nbytes(packed)
     assert report.target.params * report.target.dtype_bytes == nbytes(model.parameters())
 
 
@@ -108,11 +114,13 @@ def test_report_adds_up_and_grows_with_what_it_should():
     base = DecodingShape(dtype="bfloat16", static_width=5, draft_tokens=4, context=2048)
     one = memory_report(shape, base)
     four = memory_report(shape, DecodingShape(**{**base.__dict__, "concurrency": 4}))
-    assert four.serving_peak_bytes - one.serving_peak_bytes == 3 * one.request.bytes
+    # Concurrent requests prefill one at a time: one at its peak, the others decoding.
+    assert four.serving_peak_bytes - one.serving_peak_bytes == 3 * one.request.held < 3 * one.request.bytes
     longer = memory_report(shape, DecodingShape(**{**base.__dict__, "context": 4096}))
     assert longer.request.target_kv > one.request.target_kv
     fp32 = memory_report(shape, DecodingShape(**{**base.__dict__, "dtype": "float32"}))
-    assert fp32.target.bytes == 2 * one.target.bytes
+    assert one.target.packed == shape.linear_params  # SmolLM2's products are all packed in bf16, none in fp32
+    assert fp32.target.bytes == 2 * (one.target.bytes - one.target.packed * one.target.dtype_bytes)
     draft = ModelShape.of(LlamaConfig(**{**SMOLLM2.to_dict(), "num_hidden_layers": 2}))
     with_draft = memory_report(shape, base, draft, draft_vocab=8192)
     assert with_draft.draft is not None and with_draft.draft.vocab_rows == 8192 * 576
