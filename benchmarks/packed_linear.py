@@ -18,6 +18,7 @@ Two parts, both eager (the runtime `specops serve` batches), bf16, on the static
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -74,15 +75,17 @@ def pass_times(target: Target, context: list[int], repeats: int) -> dict[str, di
         ids, pos = torch.tensor(context[:rows]), torch.arange(len(context), len(context) + rows)
         segments = [Segment(ids, pos, *cache) for cache in caches[:sequences]]
         times: dict[str, list[float]] = {"packed": [], "f_linear": []}
-        with torch.inference_mode():
-            for i in range(2 * repeats + 2):
-                packing = i % 2 == 0
-                forward.packing = packing
-                start = time.perf_counter()
-                forward.forward_many(segments)
-                if i >= 2:  # the first of each is a warm-up
-                    times["packed" if packing else "f_linear"].append(time.perf_counter() - start)
-        forward.packing = True
+        try:
+            with torch.inference_mode():
+                for i in range(2 * repeats + 2):
+                    packing = i % 2 == 0
+                    forward.packing = packing
+                    start = time.perf_counter()
+                    forward.forward_many(segments)
+                    if i >= 2:  # the first of each is a warm-up
+                        times["packed" if packing else "f_linear"].append(time.perf_counter() - start)
+        finally:
+            forward.packing = True
         medians = {name: 1e3 * statistics.median(values) for name, values in times.items()}
         out[f"{sequences}x{rows}"] = {**medians, "speedup": medians["f_linear"] / medians["packed"]}
         print(f"pass over {sequences} sequence(s) x {rows} row(s): packed {medians['packed']:.1f} ms, "
@@ -119,6 +122,7 @@ def main() -> None:
         if isinstance(generator, SpeculativeGenerator):
             twin = UnpackedGenerator.__new__(UnpackedGenerator)
             twin.__dict__.update(generator.__dict__)
+            twin.drafter = copy.copy(generator.drafter)  # its own per-request state, as a server slot's fork
             twins[f"{name} (F.linear)"] = twin
     if args.compiled:
         twins["plain (compiled)"] = SpeculativeGenerator(target, None, "greedy", 0, static_width=args.static_width,

@@ -7,8 +7,8 @@ few elementwise ops per layer, in the spirit of gpt-fast: q, k and v come from o
 and up from another, the rotary tables are built once per cache, keys and values are written in place.
 
 Eager, the products run on weights packed once into oneDNN's layout (specops.core.packed_linear: F.linear's
-sums, without its reorder of every weight on every call): SmolLM2's 5-row bf16 pass took 14.9 ms against
-18.6 through F.linear. Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
+sums, without its reorder of every weight on every call): SmolLM2's 5-row bf16 pass took 15.7 ms against
+19.4 through F.linear. Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
 (its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
 pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
 its eager attention for decoding passes and SDPA for a prompt's prefill), so eager logits match its
@@ -18,6 +18,7 @@ what batch invariance needs (specops.core.kv).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,7 +33,7 @@ from specops.core.types import MIN_ROWS
 
 # Eager F.linear streams cold bf16 weights at ~10 GB/s on this CPU (oneDNN reorders them every call); the
 # products inductor picks under max-autotune on frozen weights, and the eager ones on weights packed once
-# (specops.core.packed_linear), reach ~24, the machine's bandwidth.
+# (specops.core.packed_linear), read each weight once.
 # Rope types whose rotation is a fixed function of the position (not of the sequence length), so the rotary
 # tables are built once per cache and cached keys can be moved to other positions (specops.core.kv).
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -111,7 +112,6 @@ class _Packed(NamedTuple):
         return cls([None] * layers, [None] * layers, [None] * layers, [None] * layers)
 
 
-
 class LlamaForward(nn.Module):
     """A Llama model's decoder as one function of (tokens, positions, cache): the weights are copied in
     fused, the cache is passed in as per-layer tensors (one tensor per layer keeps inductor's in-place
@@ -150,12 +150,11 @@ class LlamaForward(nn.Module):
         tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         self.head = self.embed if tied else _frozen(model.lm_head.weight)
         self.dtype = model.dtype
-        # The eager passes' products on weights packed once (bf16 on a CPU: F.linear's sums, twice as fast);
-        # a plain attribute, not parameters, so torch.compile sees only the plain weights and packs its own.
+        # The eager passes' products on weights packed once (bf16 on a CPU: F.linear's sums, the products about
+        # twice as fast); a plain attribute, not parameters, so torch.compile sees only the plain weights and
+        # packs its own. A copy: a LlamaForward is rebuilt when the weights change (llama_forward).
         self.packed = _Packed([pack(w) for w in self.qkv], [pack(w) for w in self.o], [pack(w) for w in self.gate_up],
                               [pack(w) for w in self.down])
-        self._packed_head: torch.Tensor | None = None  # packed at its first use: a draft LM applies its own head
-        self._head_packed = False
         self.packing = True  # False: F.linear on the plain weights, the same values (A/B timing: benchmarks/packed_linear.py)
 
     @property
@@ -231,7 +230,7 @@ class LlamaForward(nn.Module):
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         ids = torch.cat([segment.ids for segment in segments])
         x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
-        packed = self._products()
+        packed = self._packed_or_none()
         captured = []
         for i in range(layers):
             h = rms_norm(x, self.attn_norm[i], self.eps)
@@ -255,17 +254,20 @@ class LlamaForward(nn.Module):
             captured.append(x)
         return captured
 
-    def _products(self) -> _Packed:
+    def _packed_or_none(self) -> _Packed:
         """The packed weights, except while torch.compile traces (it must not see oneDNN's opaque tensors) and
         with packing off."""
         return _Packed.none(self.num_layers) if torch.compiler.is_compiling() or not self.packing else self.packed
 
+    @functools.cached_property
+    def packed_head(self) -> torch.Tensor | None:
+        """The LM head packed at its first use: a draft LM's lean forward applies its own head instead."""
+        return pack(self.head)
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or not self.packing:
             return F.linear(x, self.head)
-        if not self._head_packed:  # two threads may both pack it: the same values, one copy kept
-            self._packed_head, self._head_packed = pack(self.head), True
-        return linear(x, self.head, self._packed_head)
+        return linear(x, self.head, self.packed_head)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """transformers' eager Llama attention over a batch of sequences with caches of one length:

@@ -39,8 +39,8 @@ from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, static_cache_length
 
 # Process overhead: VmRSS of `python -c "import specops.server.app"` after the import (torch 2.13,
 # transformers 5.23, fastapi, uvicorn; no model), median of 3 runs on this repo's 2-core machine
-# (benchmarks/memory_model.py --overhead, 2026-11-27): 488 MiB.
-RUNTIME_OVERHEAD_BYTES = 488 * 2**20
+# (benchmarks/memory_model.py --overhead, 2026-11-27 late night: 424 MiB; 488 earlier that day).
+RUNTIME_OVERHEAD_BYTES = 424 * 2**20
 # Loading the SmolLM2 GGUF: VmHWM minus VmRSS right after `load_target` (the dequantized float tensors
 # and the mapped file, freed once the model is built), measured in bf16 (227 MiB) and fp32 (230 MiB) by
 # a probe that loaded the target alone; benchmarks/memory_model.py's 14 loads then measured 222-226 MiB
@@ -49,9 +49,10 @@ GGUF_LOAD_TRANSIENT_BYTES = 230 * 2**20
 # What a GGUF target's process holds beyond the terms above once it has served (the tokenizer, 36 MiB by
 # itself; heap the dequantization freed but the allocator kept; kernel workspaces of the first passes).
 # Calibrated on ONE configuration of benchmarks/memory_model.py (bf16, static width 1, no draft, one
-# request of 64 + 64 tokens: measured serving peak 998 MiB minus the model's 904 without it) and
-# validated on the others; it counts in the load peak too (the tokenizer loads first).
-RUNTIME_RESIDUE_BYTES = 94 * 2**20
+# request of 64 + 64 tokens: measured serving peak 1172 MiB minus the model's 1084 without it, 2026-11-27
+# late night, with packed bf16 products) and validated on the others; it counts in the load peak too (the
+# tokenizer loads first).
+RUNTIME_RESIDUE_BYTES = 88 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -107,14 +108,18 @@ class ModelShape:
         return embeddings + self.layers * self.layer_params + self.hidden
 
     @property
-    def packed_params(self) -> int:
-        """What specops.core.packed_linear packs of the lean forward's products in bf16: every weight over
-        ONEDNN_MIN_WORK elements (q|k|v, o, gate|up, down per layer, and the LM head)."""
+    def packed_decoder_params(self) -> int:
+        """What specops.core.packed_linear packs of the lean forward's decoder in bf16: every product weight
+        over ONEDNN_MIN_WORK elements (q|k|v, o, gate|up, down per layer)."""
         q = self.heads * self.head_dim
         per_layer = (self.qkv_params, q * self.hidden, 2 * self.intermediate * self.hidden, self.hidden * self.intermediate)
-        packed = [n for n in per_layer if n > ONEDNN_MIN_WORK]
+        return self.layers * sum(n for n in per_layer if n > ONEDNN_MIN_WORK)
+
+    @property
+    def packed_params(self) -> int:
+        """The decoder's packed products and the LM head's (packed at its first use)."""
         head = self.vocab * self.hidden
-        return self.layers * sum(packed) + (head if head > ONEDNN_MIN_WORK else 0)
+        return self.packed_decoder_params + (head if head > ONEDNN_MIN_WORK else 0)
 
     @property
     def linear_params(self) -> int:
@@ -185,10 +190,11 @@ class DraftWeights:
     vocab_rows: int  # a draft vocabulary's LM-head rows, copied out of the full head (draft_lm.draft_head)
     transposed: int  # float32: SmallBatchLinear's transposed copies of its decoder's linears
     dtype_bytes: int
+    packed: int = 0  # bf16: those rows packed for oneDNN, and a static chain draft's decoder products
 
     @property
     def bytes(self) -> int:
-        return (self.params + self.vocab_rows + self.transposed) * self.dtype_bytes
+        return (self.params + self.vocab_rows + self.transposed + self.packed) * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,7 @@ class RequestMemory:
     prefill: int  # one prefill chunk's buffers (logits, layer outputs, attention scores, MLP)
     verification: int  # one verification pass's logits and activations, float32 copies when sampled
     tree: int  # a tree's mask and rows beyond a chain's
+    prefills_alone: bool = True  # its prefill runs on the batcher's pass thread, one request's at a time
 
     @property
     def bytes(self) -> int:
@@ -209,9 +216,13 @@ class RequestMemory:
 
     @property
     def held(self) -> int:
-        """While it decodes: its caches and one verification pass's buffers. Concurrent generations prefill one
-        at a time (each prefill is a pass of its own on the batcher's one pass thread, specops.core.batching),
-        so beside one request at its peak the others hold this."""
+        """Beside one request at its peak, what each other concurrent one holds. Their target prefills are
+        passes of their own on the batcher's one pass thread (specops.core.batching), one at a time: the
+        others then hold their caches and one verification pass's buffers. A draft LM on its own dynamic
+        cache (a tree, a window) catches up on each generation's thread, any number at once: then every
+        request counts at its peak."""
+        if not self.prefills_alone:
+            return self.bytes
         return self.target_kv + self.rotary + self.draft_kv + self.verification + self.tree
 
 
@@ -282,10 +293,17 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
     weights = TargetWeights(target.params, lean, target.linear_params if fp32_small_batch and not static else 0, b,
                             packed)
     draft_weights = None
+    # A chain draft LM without a window runs on the static runtime beside a static target (StaticDraftLM);
+    # otherwise on its own dynamic cache, prefilling on each generation's thread.
+    static_draft = draft is not None and static and not decoding.tree_nodes and not decoding.draft_window
     if draft is not None:
         # The draft runs its decoder through SmallBatchLinear; its head too unless it drafts a reduced vocabulary.
         transposed = draft.linear_params - (draft.vocab * draft.hidden if draft_vocab else 0)
-        draft_weights = DraftWeights(draft.params, draft_vocab * draft.hidden, transposed if fp32_small_batch else 0, b)
+        packed_draft = 0
+        if decoding.dtype == "bfloat16":  # its vocabulary rows, and its lean forward's products when static
+            packed_draft = draft_vocab * draft.hidden + (draft.packed_decoder_params if static_draft else 0)
+        draft_weights = DraftWeights(draft.params, draft_vocab * draft.hidden, transposed if fp32_small_batch else 0, b,
+                                     packed_draft)
     tokens = decoding.context + decoding.pass_rows
     slots = static_cache_length(decoding.context, 0, decoding.static_width) if static else tokens
     chunk = min(decoding.prefill_chunk or decoding.context, decoding.context)
@@ -303,7 +321,8 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
         draft_kv=draft.kv_bytes(min(tokens, decoding.draft_window or tokens), b) if draft is not None else 0,
         prefill=_pass_bytes(target, chunk, slots, b, lean=static, head=False),
         verification=verification,
-        tree=tree)
+        tree=tree,
+        prefills_alone=draft is None or static_draft)
     return MemoryReport(weights, draft_weights, request, decoding.concurrency,
                         load_transient=GGUF_LOAD_TRANSIENT_BYTES if decoding.gguf else 0,
                         residue=RUNTIME_RESIDUE_BYTES if decoding.gguf else 0)

@@ -3,17 +3,21 @@
 Eager bf16 `F.linear` on a CPU hands oneDNN the weight in torch's row-major layout, and oneDNN reorders
 it into its own blocked layout on every call, so a decoding pass, whose products are a few rows against
 every weight, streams each weight twice and writes it once more. Reordering once, when the weights are
-loaded (what inductor's `freezing` does for a compiled graph), leaves one read per pass. SmolLM2-135M's
-30 layers and LM head, 2 threads on this repo's 2-core CPU (one-off timing, 20 runs): 15.4 ms a pass
-over 1 to 5 rows through F.linear, 6.4-7.7 ms packed; 8 rows 17.3 against 8.4; 40 rows 28.8 against 17.8.
+loaded (what inductor's `freezing` does for a compiled graph), leaves one read per pass. The products of
+SmolLM2-135M's 30 layers and LM head, 2 threads on this repo's 2-core CPU (one-off timing, 20 runs): 15.4
+ms over 1 to 5 rows through F.linear, 6.4-7.7 ms packed; 8 rows 17.3 against 8.4; 40 rows 28.8 against
+17.8. A whole 5-row pass, attention and the rest included: 15.7 ms against 19.4 (benchmarks/packed_linear.py).
 
-It is the same oneDNN kernel, so the same sums in the same order: the output equals F.linear's bit for
-bit at any row count wherever F.linear itself runs on oneDNN, which for a CPU bf16 product is when
-rows x out x in exceeds 16**3 (`types.ONEDNN_MIN_WORK`), so for a weight with out x in above it at every
-row count (checked on this CPU for every pair of 12 sizes from 16 to 1536, 1 to 130 rows, 1 and 2
-threads; tests/core/test_packed_linear.py checks the model shapes the tests use). Smaller weights are
-left to F.linear. So eager logits still equal transformers' forward bitwise, and a row's result still
-does not depend on the other rows of its pass (specops.core.batching).
+The packed product runs oneDNN's inner-product primitive on the reordered weight where F.linear runs its
+matmul primitive; on this CPU (AVX-512 with bf16) the two sum alike: the output equals F.linear's bit for
+bit at any row count wherever F.linear itself runs on oneDNN, which for a CPU bf16 product is when rows x
+out x in exceeds 16**3 (`types.ONEDNN_MIN_WORK`), so for a weight with out x in above it at every row
+count (measured for every pair of 12 sizes from 16 to 1536, 1 to 130 rows, 1 and 2 threads;
+tests/core/test_packed_linear.py checks the shapes the tests and SmolLM2 use, up to 512 rows). That is a
+measured fact of this CPU and torch build, not a guarantee, so `pack` checks each weight against F.linear
+once and leaves any that disagrees (or that oneDNN would not run in bf16) to F.linear. Eager logits thus
+still equal transformers' forward bitwise, and a row's result still does not depend on the other rows of
+its pass (specops.core.batching).
 
 Packed weights are a second copy (oneDNN's opaque tensors, counted by specops.core.memory), made only for
 bf16 on a CPU with oneDNN, and used only outside autograd and outside torch.compile (which packs the
@@ -28,15 +32,27 @@ import torch.nn.functional as F
 from specops.core.types import ONEDNN_MIN_WORK
 
 PACK_ROWS_HINT = 1  # the row count oneDNN picks the packed layout for: decoding passes are a few rows
+CHECK_ROWS = 3  # rows of the one product each packed weight is checked on against F.linear
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] in oneDNN's layout for `linear`, or None where F.linear stays (not bf16 on a CPU
-    with oneDNN, or too small for F.linear to run on oneDNN at every row count)."""
+    """`weight` [out, in] in oneDNN's layout for `linear`, or None where F.linear stays: not bf16 on a CPU
+    whose oneDNN runs bf16 (AVX-512; torch.backends.mkldnn enabled), too small for F.linear to run on
+    oneDNN at every row count, or a packed product that differs from F.linear's on a check."""
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
-            or not torch.backends.mkldnn.is_available() or weight.shape[0] * weight.shape[1] <= ONEDNN_MIN_WORK):
+            or weight.shape[0] * weight.shape[1] <= ONEDNN_MIN_WORK or not torch.backends.mkldnn.is_available()
+            or not torch.backends.mkldnn.enabled or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+    weight = weight.detach().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    probe = torch.randn(CHECK_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    with torch.no_grad():
+        agrees = torch.equal(_packed_product(probe, packed), F.linear(probe, weight))
+    return packed if agrees else None
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
@@ -44,5 +60,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -
     nor torch.compile is tracing, else F.linear; the same values either way."""
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if packed is not None and not tracked and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return _packed_product(x, packed)
     return F.linear(x, weight)

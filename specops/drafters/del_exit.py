@@ -257,7 +257,7 @@ class DELDrafter(DrafterBase):
                              f"{target_model.config.hidden_size}.")
         if exit_layer and exit_layer not in cfg.exit_layers:
             raise ValueError(f"No exit head after layer {exit_layer}; trained exit layers: {cfg.exit_layers}.")
-        self.heads = heads.to(target_model.dtype).eval()
+        self.heads = heads.to(target_model.dtype).eval().requires_grad_(False)  # drafting only: packed products
         self.packed = [self.heads.pack_head(i) for i in range(len(cfg.exit_layers))]
         self.vocab_size = target_model.config.vocab_size
         self.candidates = [cfg.exit_layers.index(exit_layer)] if exit_layer else list(range(len(cfg.exit_layers)))

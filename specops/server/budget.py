@@ -96,4 +96,5 @@ def describe(plan: MemoryPlan) -> str:
             f"{plan.draft_tokens}, tree_nodes {plan.tree_nodes}, max_batch {plan.max_batch}, context {plan.max_context}"
             f" tokens; predicted peak {report.peak_bytes / 2**20:.0f} MiB (process {report.overhead / 2**20:.0f}, "
             f"target {report.target.bytes / 2**20:.0f}, draft {(report.draft.bytes if report.draft else 0) / 2**20:.0f},"
-            f" {report.concurrency} x request {report.request.bytes / 2**20:.1f}); goodput {plan.goodput:.1f} tok/s")
+            f" one request {report.request.bytes / 2**20:.1f} + {report.concurrency - 1} x "
+            f"{report.request.held / 2**20:.1f}); goodput {plan.goodput:.1f} tok/s")

@@ -77,7 +77,7 @@ def test_static_runtime_bytes_are_what_it_allocates(dtype):
     with torch.inference_mode():  # the head is packed at its first use
         forward.forward(torch.tensor([3, 4]), torch.tensor([0, 1]), *forward.new_cache(64), *forward.tables(64))
     packed = [t for t in (*forward.packed.qkv, *forward.packed.o, *forward.packed.gate_up, *forward.packed.down,
-                          forward._packed_head) if t is not None]
+                          forward.packed_head) if t is not None]
     assert (dtype == torch.bfloat16) == bool(packed)
     assert report.target.packed * report.target.dtype_bytes == nbytes(packed)
     assert report.target.params * report.target.dtype_bytes == nbytes(model.parameters())
@@ -124,6 +124,13 @@ def test_report_adds_up_and_grows_with_what_it_should():
     draft = ModelShape.of(LlamaConfig(**{**SMOLLM2.to_dict(), "num_hidden_layers": 2}))
     with_draft = memory_report(shape, base, draft, draft_vocab=8192)
     assert with_draft.draft is not None and with_draft.draft.vocab_rows == 8192 * 576
+    # bf16: the vocabulary rows packed too, and the static chain draft's decoder products.
+    assert with_draft.draft.packed == 8192 * 576 + draft.packed_decoder_params > 8192 * 576
+    # A draft LM on its own dynamic cache (here a tree's) prefills on every generation's thread at once.
+    tree = DecodingShape(**{**base.__dict__, "tree_nodes": 8})
+    tree_one, tree_four = (memory_report(shape, DecodingShape(**{**tree.__dict__, "concurrency": c}), draft, 8192)
+                           for c in (1, 4))
+    assert tree_four.serving_peak_bytes - tree_one.serving_peak_bytes == 3 * tree_one.request.bytes
     assert with_draft.serving_peak_bytes > one.serving_peak_bytes
     # SmolLM2's static KV in bf16 at 2048 + 5 -> 2112 slots: 30 x 2 x 3 x 2112 x 64 x 2 bytes.
     assert one.request.target_kv == 30 * 2 * 3 * 2112 * 64 * 2

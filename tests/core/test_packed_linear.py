@@ -13,33 +13,41 @@ from tests.conftest import tiny_llama
 
 # SmolLM2-135M's products (q|k|v, o, gate|up, down, the 8k-row draft head) and the tiny test models' (hidden 48, 64).
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576), (96, 48), (192, 48), (48, 96), (256, 64)]
-ROWS = [1, 2, 3, 5, 8, 17, 40]
+ROWS = [1, 2, 3, 5, 8, 17, 40, 130, 512]  # up to a batched pass of 8 trees of 64 rows
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_packed_products_are_f_linear_bit_for_bit(threads):
+def mismatches(product, threads: int) -> list[tuple[int, int, int]]:
+    """(out, in, rows) where `product(x, weight, pack(weight))` is not F.linear(x, weight) bit for bit, for a
+    row anywhere in the pass (every row of x[:rows] is compared)."""
     torch.manual_seed(0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        found = []
         for out_features, in_features in SHAPES:
             weight = (torch.randn(out_features, in_features) * 0.05).bfloat16()
             packed = pack(weight)
             assert packed is not None
             x = torch.randn(max(ROWS), in_features).bfloat16()
-            for rows in ROWS:
-                assert torch.equal(linear(x[:rows], weight, packed), F.linear(x[:rows], weight)), (out_features, rows)
+            found += [(out_features, in_features, rows) for rows in ROWS
+                      if not torch.equal(product(x[:rows], weight, packed), F.linear(x[:rows], weight))]
+        return found
     finally:
         torch.set_num_threads(before)
 
 
-def test_the_equality_check_catches_another_order_of_sums():
-    """The mutant: the same product as two half sums, each rounded to bf16, then added."""
-    torch.manual_seed(0)
-    weight = (torch.randn(576, 1536) * 0.05).bfloat16()
-    x = torch.randn(5, 1536).bfloat16()
-    halves = F.linear(x[:, :768], weight[:, :768]) + F.linear(x[:, 768:], weight[:, 768:])
-    assert not torch.equal(halves, linear(x, weight, pack(weight)))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_products_are_f_linear_bit_for_bit(threads):
+    assert mismatches(linear, threads) == []
+
+
+def test_a_product_summed_in_another_order_fails_the_check():
+    """The must-fail mutant: the product over each half of the inputs, rounded to bf16, then added."""
+    def halves(x, weight, packed):
+        half = x.shape[-1] // 2
+        return F.linear(x[..., :half], weight[:, :half]) + F.linear(x[..., half:], weight[:, half:])
+
+    assert mismatches(halves, 2)
 
 
 def test_only_bf16_weights_large_enough_for_onednn_are_packed():
@@ -47,6 +55,19 @@ def test_only_bf16_weights_large_enough_for_onednn_are_packed():
     assert ONEDNN_MIN_WORK == 64 * 64
     assert pack(torch.zeros(65, 64, dtype=torch.bfloat16)) is not None
     assert pack(torch.zeros(576, 576)) is None  # float32 keeps F.linear (and SmallBatchLinear)
+    with torch.backends.mkldnn.flags(enabled=False):  # F.linear would not run on oneDNN
+        assert pack(torch.zeros(65, 64, dtype=torch.bfloat16)) is None
+
+
+def test_a_weight_whose_packed_product_disagrees_is_left_to_f_linear(monkeypatch):
+    """pack checks each weight once against F.linear: a packed kernel that sums otherwise is not used."""
+    import specops.core.packed_linear as packed_linear
+
+    weight = torch.randn(96, 48).bfloat16()
+    assert pack(weight) is not None
+    real = packed_linear._packed_product
+    monkeypatch.setattr(packed_linear, "_packed_product", lambda x, packed: real(x, packed) * 1.01)
+    assert pack(weight) is None
 
 
 def test_autograd_gets_f_linear():
