@@ -34,7 +34,9 @@ compiled one). A fixed exit layer keeps the same length rule on its one layer.
 
 from __future__ import annotations
 
+import copy
 import json
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +54,7 @@ from specops.core.policies import expected_tokens
 from specops.core.sampling import Randomness, argmax, draw, expand_draft_vocab, logits_to_probs
 from specops.core.types import SamplingParams, static_cache_length
 
+CHOICES_KEPT = 4096  # DEL's recent (exit layer, k) choices kept for reports and tests: a server slot runs for days
 PackedHead = tuple[torch.Tensor | None, torch.Tensor | None]  # an exit head's adapter and rows, packed
 
 CONFIG_FILE = "config.json"
@@ -268,7 +271,17 @@ class DELDrafter(DrafterBase):
         self.cache = EarlyCache(self.forward, max(cfg.exit_layers[i] for i in self.candidates))
         self._turn = 0  # the candidate scored at the next verification
         self._target_next: torch.Tensor | None = None
-        self.choices: list[tuple[int, int]] = []  # (exit layer, k) of every step drafted, for reports and tests
+        self.choices: deque[tuple[int, int]] = deque(maxlen=CHOICES_KEPT)  # (exit layer, k) of recent drafted steps
+
+    def __copy__(self) -> DELDrafter:
+        """A fork (one per server generation slot) with its own tracker, cache and choices: a rejection-
+        sampled request's draft lengths must not depend on the other requests. Heads and costs are shared."""
+        twin = object.__new__(DELDrafter)
+        twin.__dict__.update(self.__dict__)
+        twin.tracker = copy.deepcopy(self.tracker)
+        twin.cache = EarlyCache(self.forward, self.cache.layers)
+        twin.choices = deque(maxlen=CHOICES_KEPT)
+        return twin
 
     def reset(self) -> None:
         self.cache = EarlyCache(self.forward, self.cache.layers)

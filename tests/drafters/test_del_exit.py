@@ -163,6 +163,23 @@ def test_adaptive_exit_follows_the_tracked_acceptance():
     assert drafter.choose(3) == (0, 0)  # nothing pays: plain decoding
 
 
+def test_forks_track_their_own_requests():
+    """A server slot's fork (copy.copy) tracks its own request: another fork's observations and reset do
+    not move its rates, so a rejection-sampled request's draft lengths do not depend on what else runs."""
+    import copy
+
+    target = make_target()
+    drafter = DELDrafter(target.model, make_heads(target, prior=0.5), 0)
+    one, other = copy.copy(drafter), copy.copy(drafter)
+    for _ in range(30):
+        one.tracker.update(1, torch.tensor([True]))
+    before = one.tracker.rates()
+    other.tracker.update(1, torch.tensor([False, False]))
+    other.reset()
+    assert one.tracker.rates() == before != drafter.tracker.rates()
+    assert one.cache is not other.cache and one.choices is not other.choices
+
+
 def test_exit_costs_are_measured_on_both_runtimes(target):
     """The factory measures the costs on this machine (no wall-clock bound asserted: only their shape)."""
     drafter = DELDrafter(target.model, make_heads(target), 0)
