@@ -32,9 +32,9 @@ import torch
 from specops.core.llama import llama_forward
 from specops.core.policies import expected_tokens
 from specops.core.target import DEFAULT_TARGET, load_target
-from specops.data.traces import TraceShards, next_token_mask
+from specops.data.traces import TraceShards
 from specops.drafters.del_exit import DELDrafter, ExitCosts, ExitHeads, choose_exit, measure_exit_costs
-from specops.train.train_exit import TRACE_FIELDS, sequence_features
+from specops.train.train_exit import TRACE_FIELDS, response_features
 
 
 def best_rate(alphas: list[float], token_costs: list[float], verify: float, max_k: int) -> float:
@@ -50,16 +50,9 @@ def agreements(heads: ExitHeads, source: str, traces: Path, split: str, sequence
     forward = llama_forward(target.model)[0]
     shards = TraceShards(traces / split, fields=TRACE_FIELDS)
     out = []
-    with torch.inference_mode():
-        for i in range(sequences.start, min(sequences.stop, len(shards))):
-            item = shards[i]
-            rows = next_token_mask(item["loss_mask"])
-            if not rows.any():
-                continue
-            features = sequence_features(forward, item["input_ids"], heads.config.exit_layers)[rows]
-            predicted = torch.stack([heads.vocab[heads(features[:, j], j).argmax(-1)]
-                                     for j in range(len(heads.config.exit_layers))])
-            out.append(predicted == item["topk_ids"][rows, 0])
+    for item, rows, features in response_features(forward, shards, heads.config.exit_layers, sequences):
+        predicted = torch.stack([heads.predict(features[:, j], j) for j in range(len(heads.config.exit_layers))])
+        out.append(predicted == item["topk_ids"][rows, 0])
     if not out:
         raise SystemExit(f"{traces / split} sequences {sequences.start}-{sequences.stop - 1} hold no response positions.")
     return out

@@ -43,12 +43,16 @@ watcher that loaded a new version) kept a team, and the same 8-sequence pass too
 thread against 23 ms (28 ms once the loading thread's team was gone). Such work goes through
 `on_short_thread`, whose team ends with it.
 
-Draft lengths under load (`draft_caps`, SmartSpec): the pass thread records what its batches take (each
-model's pass seconds against its rows, the wait for the sequences between batches, the draft passes per
+Draft lengths under load (`draft_caps`, SmartSpec): the pass thread records what its batches take (the
+target's pass seconds against its sequences and their drafted rows apart, a draft model's against its
+rows, the wait for the sequences between batches against the rows they drafted, the draft passes per
 verified draft token), and a greedy or coupled sequence's draft is capped by the goodput those
 observations predict (specops.core.policies.step_seconds), not the start-up cost model's, which times
 transformers' forward on one sequence and the drafter alone: at 8 users a 16-row batched pass took
-~35 ms and the drafts did not pay, which the start-up model could not see.
+~35 ms and the drafts did not pay, which the start-up model could not see. A drafted row is priced apart
+from a sequence (cost_model.BatchPassFit) and the wait per drafted row is priced too: a line in rows fitted
+while nobody drafted priced a drafted row at a whole sequence's cost, and a constant wait hid what verifying
+and drafting on the sequences' threads add to it (docs/results.md, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from specops.core.cost_model import CostModel, DecayedRatio, PassFit, StepCosts
+from specops.core.cost_model import BatchPassFit, CostModel, DecayedRatio, PassFit, StepCosts
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
 from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, STATIC_BUCKET
@@ -151,11 +155,18 @@ class PassBatcher:
         # What draft_caps learns from the batches run here (step_costs): each model's pass times by rows, the
         # wait between two batches per sequence (their own work: verification, streaming, drafting on their
         # threads), and the draft passes per drafted token (a suffix front's drafts take none).
-        self.target_fit, self.draft_fit = PassFit(), PassFit()
+        self.target_fit, self.draft_fit = BatchPassFit(), PassFit()
         self.gap, self.draft_passes = DecayedRatio(), DecayedRatio()
+        # The wait per sequence against the drafted rows per sequence of the batch before it: verifying drafted
+        # rows and drafting on the threads (a suffix front's walks) is the sequences' own work, in the wait.
+        self.gap_fit = PassFit()
+        self._drafted_rows = 0.0  # drafted rows per sequence of the last batched target pass
         self._batch_end: float | None = None  # when the last batch ended; None once a pass alone ran since
         self._drafting: dict[int, int] = {}  # a sequence's draft passes since its last target pass
         self._startup: tuple[tuple[CostModel, bool], StepCosts] | None = None  # step_costs' start-up model, built once
+        # step_costs per batch size, kept until the next observation: every sequence asks at every step, and
+        # computing it takes the lock that the sequences waking from a batch are all taking too.
+        self._costs: dict[int, tuple[tuple[Any, ...], StepCosts | None]] = {}
         self._worker: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -181,14 +192,23 @@ class PassBatcher:
             self.batched_drafts = True
         return forward
 
-    def _observed(self) -> tuple[tuple[float, float] | None, tuple[float, float] | None, float | None,
-                                 float | None]:
-        """The target's and the draft's pass lines, the wait between batches per sequence and the draft passes
-        per drafted token, each once it rests on MIN_OBSERVED observations (a line: of more than one row
-        count), else None."""
+    def _startup_costs(self) -> StepCosts | None:
+        """The start-up model's step costs (StepCosts.from_startup), built once per model and draft mode."""
+        if self.cost is None:
+            return None
+        if self._startup is None or self._startup[0] != (self.cost, self.batched_drafts):  # set after __init__
+            self._startup = (self.cost, self.batched_drafts), StepCosts.from_startup(self.cost, self.batched_drafts)
+        return self._startup[1]
+
+    def _observed(self, row_prior: float) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None,
+                                                   float | None, float | None]:
+        """The target's pass coefficients (BatchPassFit, its drafted rows' slope leaning on `row_prior`), the
+        draft's pass line, the wait between batches per sequence and the draft passes per drafted token, each
+        once it rests on MIN_OBSERVED observations (the draft's line: of more than one row count), else None."""
         with self._cond:
-            return (self.target_fit.line(MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
-                    self.gap.value(MIN_OBSERVED), self.draft_passes.value(MIN_OBSERVED))
+            return (self.target_fit.coefficients(row_prior, MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
+                    self.gap.value(MIN_OBSERVED), self.draft_passes.value(MIN_OBSERVED),
+                    self.gap_fit.line(MIN_OBSERVED))
 
     def step_costs(self, batch: int) -> StepCosts | None:
         """What a step costs at `batch` sequences (specops.core.policies.step_seconds): each part from the
@@ -196,18 +216,29 @@ class PassBatcher:
         a start-up model (drafts are then not capped). The start-up model times transformers' forward on one
         sequence and the drafter alone, not these batched passes nor the wait between them, which grow with
         the batch."""
-        if self.cost is None:
+        # Read before computing (a batch may end meanwhile): the observations so far and the start-up model.
+        key = (self.target_fit.added, self.draft_fit.added, self.gap.added, self.draft_passes.added,
+               self.gap_fit.added, self.cost, self.batched_drafts)
+        cached = self._costs.get(batch)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        costs = self._step_costs(batch)
+        self._costs[batch] = key, costs
+        return costs
+
+    def _step_costs(self, batch: int) -> StepCosts | None:
+        startup = self._startup_costs()
+        if startup is None:
             return None
-        if self._startup is None or self._startup[0] != (self.cost, self.batched_drafts):  # set after __init__
-            self._startup = (self.cost, self.batched_drafts), StepCosts.from_startup(self.cost, self.batched_drafts)
-        startup = self._startup[1]
-        target, draft, gap, passes = self._observed()
-        if target is None:
+        fit, draft, gap, passes, gap_line = self._observed(startup.target[1])
+        if fit is None:
             return startup
+        target = BatchPassFit.as_line(fit, batch)
+        gap_s, gap_row_s = gap_line or (gap or 0.0, 0.0)
         if not self.batched_drafts:  # drafting on the threads: its time so far is in the gap, beside the target's
-            return StepCosts(target, gap_s=(gap or 0.0) * batch, thread_token_s=startup.thread_token_s)
+            return StepCosts(target, gap_s=gap_s * batch, thread_token_s=startup.thread_token_s, gap_row_s=gap_row_s)
         return StepCosts(target, draft or startup.draft, startup.draft_passes if passes is None else passes,
-                         (gap or 0.0) * batch)
+                         gap_s * batch, gap_row_s=gap_row_s)
 
     def draft_caps(self, acceptance: float, max_tokens: int) -> tuple[int, int]:
         """The longest drafts that still pay at the current batch size (SmartSpec: specops.core.policies),
@@ -222,13 +253,15 @@ class PassBatcher:
                 batch_draft_length(acceptance, free, batch, max_tokens, self.cores))
 
     def observed(self) -> dict[str, float]:
-        """What the batches run here showed (NaN where not yet): each model's pass seconds and seconds per
-        row, the wait between batches per sequence, and the draft passes per drafted token."""
-        target, draft, gap, passes = self._observed()
+        """What the batches run here showed (NaN where not yet): a target pass's fixed seconds, seconds per
+        sequence and per drafted row, a draft pass's seconds and seconds per row, the wait between batches per
+        sequence, and the draft passes per drafted token."""
+        startup = self._startup_costs()
+        target, draft, gap, passes, _ = self._observed(0.0 if startup is None else startup.target[1])
         values = {"gap_per_sequence_s": math.nan if gap is None else gap,
                   "draft_passes_per_token": math.nan if passes is None else passes}
-        for name, line in (("target", target), ("draft", draft)):
-            values[f"{name}_pass_s"], values[f"{name}_row_s"] = line or (math.nan, math.nan)
+        values["target_pass_s"], values["target_sequence_s"], values["target_row_s"] = target or (math.nan,) * 3
+        values["draft_pass_s"], values["draft_row_s"] = draft or (math.nan, math.nan)
         return values
 
     def run(self, segment: Segment, forward: LlamaForward | None = None, head: bool = True,
@@ -323,8 +356,9 @@ class PassBatcher:
             cohort = {p.thread for p in due}
             if self._batch_end is not None and cohort <= self._cohort:  # the same sequences, back from their work
                 self.gap.add(began - self._batch_end, len(cohort))
+                self.gap_fit.add(self._drafted_rows, (began - self._batch_end) / len(cohort))
             self._cohort = cohort
-        timed: list[tuple[PassFit, int, float]] = []  # (fit, rows, seconds) of each model's pass
+        timed: list[tuple[bool, int, int, float]] = []  # (the target's?, sequences, rows, seconds) of each pass
         self._cond.release()
         try:
             with torch.inference_mode():
@@ -340,8 +374,7 @@ class PassBatcher:
                         start = time.monotonic()
                         results = forward.forward_many([p.work for p in members], members[0].head)  # type: ignore[misc]
                         rows = sum(p.work.ids.shape[0] for p in members)  # type: ignore[union-attr]
-                        timed.append((self.target_fit if forward is self.forward else self.draft_fit, rows,
-                                      time.monotonic() - start))
+                        timed.append((forward is self.forward, len(members), rows, time.monotonic() - start))
                         for p, result in zip(members, results, strict=True):
                             p.result = result
                 else:
@@ -351,8 +384,12 @@ class PassBatcher:
                 p.error = error
         finally:
             self._cond.acquire()
-            for fit, rows, seconds in timed:
-                fit.add(rows, seconds)
+            for target, sequences, rows, seconds in timed:
+                if target:
+                    self.target_fit.add(sequences, rows, seconds)
+                    self._drafted_rows = (rows - sequences) / sequences
+                else:
+                    self.draft_fit.add(rows, seconds)
             if batched:
                 self._count_drafts(due)
             end = time.monotonic()

@@ -6,7 +6,7 @@ committed token and the draft). `measure_cost_model` times both at start-up; `Co
 data so tests build one by hand.
 
 A server that batches its passes (specops.core.batching) learns its costs while serving instead:
-`PassFit` follows what its passes take, and `StepCosts` is what SmartSpec's goodput under load needs
+`BatchPassFit` and `PassFit` follow what its passes take, and `StepCosts` is what SmartSpec's goodput under load needs
 (specops.core.policies.batch_draft_length), from those fits or, until they exist, from the start-up model.
 """
 
@@ -78,8 +78,10 @@ class PassFit:
     seconds: float = 0.0
     rows2: float = 0.0
     rows_seconds: float = 0.0
+    added: int = 0  # passes recorded (the decayed weight stops changing once it converges)
 
     def add(self, rows: int, seconds: float) -> None:
+        self.added += 1
         d = self.decay
         self.weight = d * self.weight + 1.0
         self.rows = d * self.rows + rows
@@ -105,6 +107,67 @@ class PassFit:
 
 
 @dataclass
+class BatchPassFit:
+    """The seconds of a batched target pass as fixed + per_sequence * sequences + per_row * drafted, where
+    drafted = rows - sequences (each sequence's rows past its last committed token), fitted by least squares
+    with PassFit's decayed weights.
+
+    Two slopes, not a line in rows: a sequence that joins the batch brings a row and attention over its own
+    cache, a drafted row only a row. A line in rows fitted while nobody drafted (rows equal sequences, 12-16
+    sequences coming and going) priced a drafted row at a whole sequence's cost, 1.7-2.5 ms at 16 users
+    against 0.9-1.2 ms seen while they drafted (benchmarks/batched_serving.py, 2026-11-28), which kept the
+    drafts off, so the fit never saw a drafted row again. While drafted rows are few, their slope leans on a
+    prior (the start-up model's seconds per row, one sequence's passes of 1 to 40 rows) through a ridge of
+    `prior_weight`, as many passes' worth of one drafted row each; passes with drafts soon outweigh it, and
+    once the drafts stop it returns to the prior as they decay, so drafts come back to be measured again."""
+
+    decay: float = 0.98
+    prior_weight: float = 10.0
+    weight: float = 0.0  # decayed count of passes, then decayed sums of s, d, t and their products
+    s: float = 0.0
+    d: float = 0.0
+    t: float = 0.0
+    ss: float = 0.0
+    sd: float = 0.0
+    dd: float = 0.0
+    st: float = 0.0
+    dt: float = 0.0
+    added: int = 0
+
+    def add(self, sequences: int, rows: int, seconds: float) -> None:
+        self.added += 1
+        s, d, t, k = sequences, rows - sequences, seconds, self.decay
+        self.weight, self.s, self.d, self.t = k * self.weight + 1.0, k * self.s + s, k * self.d + d, k * self.t + t
+        self.ss, self.sd, self.dd = k * self.ss + s * s, k * self.sd + s * d, k * self.dd + d * d
+        self.st, self.dt = k * self.st + s * t, k * self.dt + d * t
+
+    def coefficients(self, row_prior: float, min_weight: float = 1.0) -> tuple[float, float, float] | None:
+        """(fixed, per_sequence, per_row) seconds; None before `min_weight` passes. Per_row is the ridge
+        estimate toward `row_prior`; none is negative (noise can tilt the fit, but more work never takes
+        less time)."""
+        if self.weight < min_weight:
+            return None
+        w = self.weight
+        ms, md, mt = self.s / w, self.d / w, self.t / w
+        css, csd, cdd = self.ss - w * ms * ms, self.sd - w * ms * md, self.dd - w * md * md  # centred sums
+        cst, cdt = self.st - w * ms * mt, self.dt - w * md * mt
+        css += 1e-9  # one batch size only: per_sequence is then 0 and `fixed` holds the sequences' cost
+        cdd += self.prior_weight
+        cdt += self.prior_weight * row_prior
+        det = css * cdd - csd * csd
+        per_sequence = max(0.0, (cst * cdd - csd * cdt) / det)
+        per_row = max(0.0, (css * cdt - csd * cst) / det)
+        return max(0.0, mt - per_sequence * ms - per_row * md), per_sequence, per_row
+
+    @staticmethod
+    def as_line(coefficients: tuple[float, float, float], batch: int) -> tuple[float, float]:
+        """A pass of `batch` sequences as (seconds, seconds per row), what StepCosts.target holds: its rows
+        (each sequence's committed token and its drafts) at per_row, the rest fixed."""
+        fixed, per_sequence, per_row = coefficients
+        return max(0.0, fixed + (per_sequence - per_row) * batch), per_row
+
+
+@dataclass
 class DecayedRatio:
     """sum(decay ** age * numerator) / sum(decay ** age * denominator) over the recorded pairs: a rate that
     follows roughly the last 1 / (1 - decay) records."""
@@ -112,8 +175,10 @@ class DecayedRatio:
     decay: float = 0.98
     numerator: float = 0.0
     denominator: float = 0.0
+    added: int = 0  # pairs recorded
 
     def add(self, numerator: float, denominator: float) -> None:
+        self.added += 1
         self.numerator = self.decay * self.numerator + numerator
         self.denominator = self.decay * self.denominator + denominator
 
@@ -132,6 +197,7 @@ class StepCosts:
     gap_s: float = 0.0  # between two passes: the sequences' own work (verification, streaming, drafting on threads)
     # A drafted token's seconds on a generation thread (an observed gap_s holds the drafting of the moment too).
     thread_token_s: float = 0.0
+    gap_row_s: float = 0.0  # the wait between passes per sequence and drafted row: verifying it, drafting it
 
     @classmethod
     def from_startup(cls, cost: CostModel, batched_drafts: bool) -> StepCosts:

@@ -254,10 +254,13 @@ class LlamaForward(nn.Module):
             captured.append(x)
         return captured
 
+    def _packs(self) -> bool:
+        """Whether this pass runs the packed weights: not while torch.compile traces (it must not see oneDNN's
+        opaque tensors), nor with packing off."""
+        return self.packing and not torch.compiler.is_compiling()
+
     def _packed_or_none(self) -> _Packed:
-        """The packed weights, except while torch.compile traces (it must not see oneDNN's opaque tensors) and
-        with packing off."""
-        return _Packed.none(self.num_layers) if torch.compiler.is_compiling() or not self.packing else self.packed
+        return self.packed if self._packs() else _Packed.none(self.num_layers)
 
     @functools.cached_property
     def packed_head(self) -> torch.Tensor | None:
@@ -265,9 +268,7 @@ class LlamaForward(nn.Module):
         return pack(self.head)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not self.packing:
-            return F.linear(x, self.head)
-        return linear(x, self.head, self.packed_head)
+        return linear(x, self.head, self.packed_head) if self._packs() else F.linear(x, self.head)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """transformers' eager Llama attention over a batch of sequences with caches of one length:

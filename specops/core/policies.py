@@ -180,7 +180,7 @@ def step_seconds(costs: StepCosts, batch: int, k: int, cores: int) -> float:
     rounds = 1.0 + costs.draft_passes * k
     verifying, drafting = 1.0 - (1.0 - 1.0 / rounds) ** batch, 1.0 - (1.0 / rounds) ** batch
     rows_s = batch * ((k + 1) * costs.target[1] + costs.draft_passes * k * costs.draft[1])
-    threads_s = k * costs.thread_token_s * max(1.0, batch / cores)
+    threads_s = k * costs.thread_token_s * max(1.0, batch / cores) + batch * k * costs.gap_row_s
     return rounds * (costs.gap_s + verifying * costs.target[0] + drafting * costs.draft[0]) + rows_s + threads_s
 
 

@@ -102,6 +102,10 @@ class ExitHeads(nn.Module):
         h = hidden + linear(hidden, self.adapters[index], packed[0])
         return linear(rms_norm(h, self.norms[index], self.config.rms_norm_eps), self.rows[index], packed[1])
 
+    def predict(self, hidden: torch.Tensor, index: int, packed: PackedHead = (None, None)) -> torch.Tensor:
+        """The target id [...] of head `index`'s most likely draft token at each row of `hidden` [..., H]."""
+        return self.vocab[argmax(self(hidden, index, packed))]
+
     def pack_head(self, index: int) -> PackedHead:
         """Head `index`'s adapter and rows packed for drafting (specops.core.packed_linear); stale once they change."""
         return pack(self.adapters[index]), pack(self.rows[index])
@@ -350,8 +354,7 @@ class DELDrafter(DrafterBase):
         slot = self._turn % len(self.candidates)
         self._turn += 1
         head = self.candidates[slot]
-        predicted = self.heads.vocab[argmax(self.heads(features[:, slot], head, self.packed[head]))]  # [n]
-        self.tracker.update(slot, predicted == target_next)
+        self.tracker.update(slot, self.heads.predict(features[:, slot], head, self.packed[head]) == target_next)
 
 
 def measure_exit_costs(drafter: DELDrafter, target_model: PreTrainedModel, width: int, compiled: bool = False,

@@ -53,11 +53,8 @@ class _Node:
             return self.more.get(token)
         return self.child if token == self.token else None
 
-    def add(self, token: int) -> _Node:
-        """The child for `token`, created (with count 0) if missing."""
-        found = self.get(token)
-        if found is not None:
-            return found
+    def attach(self, token: int) -> _Node:
+        """A new child (count 0) for `token`, which has none yet."""
         node = _Node()
         if self.more is not None:
             self.more[token] = node
@@ -103,7 +100,10 @@ class SuffixTrie:
         for token in tokens:
             grown = []
             for node in [*active[-(self.max_depth - 1):], self.root]:
-                child = node.add(token)
+                # _Node.get inlined: this loop runs max_depth times a token on every generation thread.
+                child = node.more.get(token) if node.more is not None else node.child if node.token == token else None
+                if child is None:
+                    child = node.attach(token)
                 child.count += delta
                 if child.count <= 0:
                     node.remove(token)
@@ -123,8 +123,10 @@ class SuffixTrie:
 
 
 def _best_child(node: _Node) -> tuple[int, _Node] | None:
+    if node.more is None:  # most nodes: one child or none
+        return None if node.child is None else (node.token, node.child)
     # Ties go to the smaller token id, so a draft never depends on insertion order.
-    return max(node.items(), key=lambda item: (item[1].count, -item[0]), default=None)
+    return max(node.more.items(), key=lambda item: (item[1].count, -item[0]))
 
 
 def speculate_path(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
@@ -172,13 +174,14 @@ def speculate_tree(node: _Node, max_nodes: int, max_depth: int, min_prob: float)
 
 
 def speculate(trie: SuffixTrie, context: list[int], max_tokens: int, factor: float, min_prob: float,
-              tree_nodes: int = 0) -> tuple[Draft, float]:
+              tree_nodes: int = 0, tails: list[_Node] | None = None) -> tuple[Draft, float]:
     """The best draft over every match length of the context's tail (paper, section 4.2): a match of
     length m may draft factor * m tokens, at most max_tokens (a tree: factor * m nodes, at most tree_nodes,
-    max_tokens deep); the highest score wins."""
+    max_tokens deep); the highest score wins. `tails`: the trie's active nodes after the whole context was
+    fed to it (`SuffixTrie.extend`), which are the tails' matches, so none is walked from the root again."""
     best, best_score = EMPTY, 0.0
     for length in range(1, min(len(context), trie.max_depth - 1) + 1):
-        node = trie.match(context[-length:])
+        node = tails[-length] if tails is not None else trie.match(context[-length:])
         if node is None:
             break  # a longer tail contains this one, so it never occurred either
         budget = int(factor * length + 1e-6)  # the adaptive speculation length: tokens (chain) or nodes (tree)
@@ -279,7 +282,7 @@ class SuffixDrafter(DrafterBase):
         """The best of the per-request and global tries' drafts, with its score (the sum of its tokens'
         estimated probabilities: how many of them the tries expect to be accepted)."""
         self._feed(context)
-        local = speculate(self.local, context, k, self.factor, self.min_prob, self.tree_nodes)
+        local = speculate(self.local, context, k, self.factor, self.min_prob, self.tree_nodes, self.local_active)
         shared = self.cache.speculate(context, k, self.factor, self.min_prob, self.tree_nodes)
         return local if local[1] >= shared[1] else shared
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,19 +100,27 @@ def sequence_features(forward: LlamaForward, ids: torch.Tensor, exit_layers: lis
     return layers[:, [e - 1 for e in exit_layers]].float()
 
 
+def response_features(forward: LlamaForward, shards: TraceShards, exit_layers: list[int],
+                      sequences: range) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
+    """Per sequence of `sequences` with response positions (indices past the split's end are skipped): the
+    trace item, its rows whose next token is a response token (row t predicts token t + 1), and the exit
+    layers' features at those rows [n, E, H]."""
+    for i in range(sequences.start, min(sequences.stop, len(shards))):
+        item = shards[i]
+        rows = next_token_mask(item["loss_mask"])
+        if rows.any():
+            with torch.inference_mode():
+                features = sequence_features(forward, item["input_ids"], exit_layers)[rows]
+            yield item, rows, features
+
+
 def split_examples(forward: LlamaForward, shards: TraceShards, cfg: TrainExitConfig, to_draft: torch.Tensor,
                    sequences: range) -> ExitExamples:
-    """Features and teacher of the `sequences` of one split (indices past its end are skipped)."""
+    """Features and teacher of the `sequences` of one split."""
     parts: list[tuple[torch.Tensor, ...]] = []
-    with torch.inference_mode():
-        for i in range(sequences.start, min(sequences.stop, len(shards))):
-            item = shards[i]
-            rows = next_token_mask(item["loss_mask"])  # row t predicts token t + 1, a response token
-            if not rows.any():
-                continue
-            features = sequence_features(forward, item["input_ids"], cfg.exit_layers)[rows]
-            ids, probs = teacher_in_draft_vocab(item["topk_ids"][rows], item["topk_logprobs"][rows], to_draft)
-            parts.append((features, ids, probs, item["topk_ids"][rows, 0]))
+    for item, rows, features in response_features(forward, shards, cfg.exit_layers, sequences):
+        ids, probs = teacher_in_draft_vocab(item["topk_ids"][rows], item["topk_logprobs"][rows], to_draft)
+        parts.append((features, ids, probs, item["topk_ids"][rows, 0]))
     if not parts:
         raise ValueError(f"{shards.dir} sequences {sequences.start}-{sequences.stop - 1} hold no response positions.")
     return ExitExamples(*(torch.cat(column) for column in zip(*parts, strict=True)))
@@ -120,7 +129,7 @@ def split_examples(forward: LlamaForward, shards: TraceShards, cfg: TrainExitCon
 def agreement(heads: ExitHeads, data: ExitExamples) -> list[float]:
     """Each head's top-1 agreement with the target's argmax: what greedy DEL accepts per token."""
     with torch.no_grad():
-        return [float((heads.vocab[heads(data.features[:, i], i).argmax(-1)] == data.target_next).float().mean())
+        return [float((heads.predict(data.features[:, i], i) == data.target_next).float().mean())
                 for i in range(len(heads.config.exit_layers))]
 
 

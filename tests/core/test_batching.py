@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specops.core.batching import PassBatcher, _Pass, batch_invariant
-from specops.core.cost_model import CostModel, PassFit
+from specops.core.cost_model import BatchPassFit, CostModel
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.loop import SpeculativeGenerator
@@ -188,11 +188,11 @@ def decoding(batcher: PassBatcher, sequences: int) -> Iterator[None]:
 
 
 def observe(batcher: PassBatcher, target: tuple[float, float], passes: int = 200) -> None:
-    """Record target passes of 1 to 80 rows taking target[0] + target[1] * rows seconds (as the pass thread
-    records its own), and a 1 ms wait per sequence between them."""
+    """Record target passes of 1 to 16 sequences and 0 to 39 drafted rows taking target[0] + target[1] * rows
+    seconds (as the pass thread records its own), and a 1 ms wait per sequence between them."""
     for i in range(passes):
-        rows = 1 + i % 80
-        batcher.target_fit.add(rows, target[0] + target[1] * rows)
+        sequences, drafted = 1 + i % 16, i * 7 % 40
+        batcher.target_fit.add(sequences, sequences + drafted, target[0] + target[1] * (sequences + drafted))
         batcher.gap.add(0.001 * 8, 8)
 
 
@@ -230,6 +230,23 @@ def test_a_batched_draft_lm_drafts_alone_and_stops_under_load():
     assert lengths[1] >= 2 and lengths[8] == lengths[16] == 0
     with decoding(batcher, 16):
         assert batcher.draft_caps(0.7, 4)[1] > 0  # a draft that runs no draft pass (a suffix front's)
+
+
+def test_the_wait_for_each_drafted_row_counts_against_free_drafts():
+    """Flat passes (rows cost nothing) at 8 sequences: free drafts pay while the wait between batches stays
+    the same whatever was drafted; once each drafted row a sequence verified adds 4 ms to the wait (verifying
+    it, walking the tries on the sequences' threads under the GIL), they stop. A draft_caps that prices the
+    wait as one constant drafts on in both."""
+    caps = {}
+    for slope in (0.0, 0.004):
+        batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=FLAT)
+        observe(batcher, (0.020, 0.00001))
+        for i in range(200):
+            drafted = i % 5  # drafted rows per sequence in the batch before the wait
+            batcher.gap_fit.add(drafted, 0.001 + slope * drafted)
+        with decoding(batcher, 8):
+            caps[slope] = batcher.draft_caps(0.7, 4)[1]
+    assert caps == {0.0: 4, 0.004: 0}
 
 
 def test_draft_passes_are_counted_against_drafts_that_ran_the_draft_model():
@@ -287,12 +304,12 @@ def test_the_pass_thread_records_its_passes():
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
     draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)
     batcher = PassBatcher(target.model, window_s=0.05)
-    reference = PassFit()
+    reference = BatchPassFit()
     original = LlamaForward.forward_many
 
     def logging(self, segments, head=True):
         if self is batcher.forward:
-            reference.add(sum(s.ids.shape[0] for s in segments), 0.0)
+            reference.add(len(segments), sum(s.ids.shape[0] for s in segments), 0.0)
         return original(self, segments, head)
 
     def run(prompt: list[int]) -> None:
@@ -307,10 +324,10 @@ def test_the_pass_thread_records_its_passes():
         for thread in threads:
             thread.join()
     assert batcher.target_fit.weight == pytest.approx(reference.weight) and reference.weight > 0
-    assert batcher.target_fit.rows == pytest.approx(reference.rows)
+    assert (batcher.target_fit.s, batcher.target_fit.d) == pytest.approx((reference.s, reference.d))
     assert 0.5 < batcher.draft_passes.value() <= 1.0
     assert batcher.gap.denominator > 0 and batcher.draft_fit.weight > 0
-    assert set(batcher.observed()) == {"target_pass_s", "target_row_s", "draft_pass_s", "draft_row_s",
+    assert set(batcher.observed()) == {"target_pass_s", "target_sequence_s", "target_row_s", "draft_pass_s", "draft_row_s",
                                        "gap_per_sequence_s", "draft_passes_per_token"}
 
 

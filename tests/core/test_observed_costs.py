@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from specops.core.cost_model import CostModel, DecayedRatio, PassFit, StepCosts
+from specops.core.cost_model import BatchPassFit, CostModel, DecayedRatio, PassFit, StepCosts
 from specops.core.policies import batch_draft_length, expected_tokens, step_seconds
 
 
@@ -68,6 +68,60 @@ def test_the_fit_never_goes_negative():
     assert intercept == 0.0 and slope == pytest.approx((10 * 0.001 + 20 * 0.030) / (10**2 + 20**2))
 
 
+def reference_plane(passes: list[tuple[int, int, float]], decay: float, row_prior: float, prior_weight: float
+                    ) -> tuple[float, float, float]:
+    """Weighted least squares of seconds on (1, sequences, drafted rows), with the drafted rows' ridge toward
+    `row_prior` (and BatchPassFit's tiny one on the sequences' slope) as extra rows of the system."""
+    sequences, rows, seconds = np.array(passes, dtype=float).T
+    root = np.sqrt(decay ** np.arange(len(passes) - 1, -1, -1))
+    design = np.stack([np.ones_like(sequences), sequences, rows - sequences], 1) * root[:, None]
+    design = np.vstack([design, [0.0, np.sqrt(1e-9), 0.0], [0.0, 0.0, np.sqrt(prior_weight)]])
+    target = np.concatenate([seconds * root, [0.0, np.sqrt(prior_weight) * row_prior]])
+    return tuple(float(x) for x in np.linalg.lstsq(design, target, rcond=None)[0])
+
+
+def test_the_batch_fit_is_ridge_weighted_least_squares():
+    rng = random.Random(1)
+    passes = []
+    for _ in range(300):
+        sequences, drafted = rng.randint(1, 16), rng.randint(0, 30)
+        passes.append((sequences, sequences + drafted,
+                       0.015 + 0.0012 * sequences + 0.0008 * drafted + rng.uniform(-0.002, 0.002)))
+    fit = BatchPassFit(decay=0.97, prior_weight=10.0)
+    for sequences, rows, seconds in passes:
+        fit.add(sequences, rows, seconds)
+    assert fit.coefficients(0.0005) == pytest.approx(reference_plane(passes, 0.97, 0.0005, 10.0), rel=1e-6)
+    assert fit.coefficients(0.0005, min_weight=100) is None  # ~33 passes' decayed weight
+
+
+def test_a_drafted_row_is_priced_apart_from_a_sequence():
+    """Passes without drafts, 10 to 16 sequences at 2 ms each: a line in rows prices a drafted row at 2 ms (the
+    control: what kept drafts off for good), the batch fit at its prior. Passes with drafts at 0.9 ms a row
+    then move it there; once the drafts stop, it returns to the prior as they decay."""
+    def passes(fit: BatchPassFit, line: PassFit, drafted: range, count: int) -> None:
+        for i in range(count):
+            sequences, extra = 10 + i % 7, drafted[i % len(drafted)]
+            seconds = 0.015 + 0.002 * sequences + 0.0009 * extra
+            fit.add(sequences, sequences + extra, seconds)
+            line.add(sequences + extra, seconds)
+
+    fit, line = BatchPassFit(), PassFit()
+    passes(fit, line, range(1), 200)
+    assert line.line()[1] == pytest.approx(0.002)
+    assert fit.coefficients(0.0006)[1:] == pytest.approx((0.002, 0.0006), rel=1e-3)
+    passes(fit, line, range(0, 20, 3), 100)
+    assert fit.coefficients(0.0006)[2] == pytest.approx(0.0009, rel=0.02)
+    passes(fit, line, range(1), 800)
+    assert fit.coefficients(0.0006)[2] == pytest.approx(0.0006, rel=0.02)
+
+
+def test_a_batch_fit_as_a_line_in_rows():
+    """fixed + per_sequence * batch + per_row * drafted, as (seconds, per row) over all of the batch's rows."""
+    seconds, per_row = BatchPassFit.as_line((0.015, 0.002, 0.0009), batch=8)
+    for drafted in (0, 5, 24):
+        assert seconds + per_row * (8 + drafted) == pytest.approx(0.015 + 0.002 * 8 + 0.0009 * drafted)
+
+
 def test_decayed_ratio_is_its_decayed_sums():
     pairs = [(3, 4), (0, 2), (5, 5), (1, 3)]
     ratio = DecayedRatio(decay=0.5)
@@ -89,12 +143,13 @@ def enumerated_step_seconds(costs: StepCosts, batch: int, k: int, cores: int) ->
         fixed += costs.gap_s + costs.target[0] * any(p == 0 for p in phases) + costs.draft[0] * any(p for p in phases)
     fixed *= rounds / rounds**batch  # the mean round, `rounds` times
     rows = batch * ((k + 1) * costs.target[1] + costs.draft_passes * k * costs.draft[1])
-    return fixed + rows + k * costs.thread_token_s * max(1.0, batch / cores)
+    return fixed + rows + k * costs.thread_token_s * max(1.0, batch / cores) + batch * k * costs.gap_row_s
 
 
 COSTS = [StepCosts((0.020, 0.0006), (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002),  # a batched draft LM
          StepCosts((0.020, 0.0001), (0.0005, 0.0), draft_passes=1.0),  # flat passes, cheap draft passes
-         StepCosts((0.020, 0.0020), gap_s=0.004, thread_token_s=0.001)]  # drafts on the threads, costly rows
+         StepCosts((0.020, 0.0020), gap_s=0.004, thread_token_s=0.001),  # drafts on the threads, costly rows
+         StepCosts((0.020, 0.0001), gap_s=0.004, gap_row_s=0.002)]  # free rows, each drafted one waited for
 
 
 @pytest.mark.parametrize("costs", COSTS)

@@ -103,6 +103,26 @@ def test_chain_draft_is_the_reference_draft(factor):
         assert draft.tokens == reference_draft(sequences, context, 4, factor, 0.2), (sequences, context)
 
 
+def test_drafts_from_the_active_nodes_are_the_drafts_from_the_root():
+    """A request's own trie drafts from the nodes its last extend left (`tails`) instead of matching every
+    tail from the root: the same drafts, chains and trees. A tails list shifted by one position (each
+    length's match taken one shorter) drafts otherwise somewhere, so the check can fail."""
+    rng = random.Random(5)
+    shifted_differs = False
+    for _ in range(80):
+        context = [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+        trie = SuffixTrie(DEPTH)
+        active: list = []
+        for begin in range(0, len(context), 2):  # step by step, as a request's trie is fed
+            active = trie.extend(active, context[begin:begin + 2])
+        for nodes in (0, 3):
+            expected = speculate(trie, context, 4, 1.0, 0.2, nodes)
+            assert speculate(trie, context, 4, 1.0, 0.2, nodes, tails=active) == expected, context
+            shifted = speculate(trie, context, 4, 1.0, 0.2, nodes, tails=[*active[1:], active[-1]])
+            shifted_differs |= shifted != expected
+    assert shifted_differs
+
+
 def test_a_tree_holds_the_chain_and_respects_its_bounds():
     rng = random.Random(3)
     for _ in range(60):
