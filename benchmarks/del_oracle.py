@@ -51,7 +51,8 @@ def agreements(heads: ExitHeads, source: str, traces: Path, split: str, sequence
     shards = TraceShards(traces / split, fields=TRACE_FIELDS)
     out = []
     for item, rows, features in response_features(forward, shards, heads.config.exit_layers, sequences):
-        predicted = torch.stack([heads.predict(features[:, j], j) for j in range(len(heads.config.exit_layers))])
+        with torch.inference_mode():  # the features are inference tensors; the loaded heads require grad
+            predicted = torch.stack([heads.predict(features[:, j], j) for j in range(len(heads.config.exit_layers))])
         out.append(predicted == item["topk_ids"][rows, 0])
     if not out:
         raise SystemExit(f"{traces / split} sequences {sequences.start}-{sequences.stop - 1} hold no response positions.")

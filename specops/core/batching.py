@@ -152,9 +152,10 @@ class PassBatcher:
         self._members: set[int] = set()  # threads of the sequences in their decode loop: a pass of theirs may come
         self._cohort: set[int] = set()  # threads whose passes ran in the last batch
         self._pass_s = window_s  # the last batch's duration: how long a pass waits for the last batch's sequences
-        # What draft_caps learns from the batches run here (step_costs): each model's pass times by rows, the
-        # wait between two batches per sequence (their own work: verification, streaming, drafting on their
-        # threads), and the draft passes per drafted token (a suffix front's drafts take none).
+        # What draft_caps learns from the batches run here (step_costs): the target's pass times by sequences
+        # and drafted rows, a draft model's by rows, the wait between two batches per sequence (their own work:
+        # verification, streaming, drafting on their threads), and the draft passes per drafted token (a suffix
+        # front's drafts take none).
         self.target_fit, self.draft_fit = BatchPassFit(), PassFit()
         self.gap, self.draft_passes = DecayedRatio(), DecayedRatio()
         # The wait per sequence against the drafted rows per sequence of the batch before it: verifying drafted
@@ -201,10 +202,11 @@ class PassBatcher:
         return self._startup[1]
 
     def _observed(self, row_prior: float) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None,
-                                                   float | None, float | None]:
+                                                   float | None, float | None, tuple[float, float] | None]:
         """The target's pass coefficients (BatchPassFit, its drafted rows' slope leaning on `row_prior`), the
-        draft's pass line, the wait between batches per sequence and the draft passes per drafted token, each
-        once it rests on MIN_OBSERVED observations (the draft's line: of more than one row count), else None."""
+        draft's pass line, the wait between batches per sequence, the draft passes per drafted token and the
+        wait per sequence as a line in the drafted rows per sequence before it, each once it rests on
+        MIN_OBSERVED observations (a line: of more than one row count), else None."""
         with self._cond:
             return (self.target_fit.coefficients(row_prior, MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
                     self.gap.value(MIN_OBSERVED), self.draft_passes.value(MIN_OBSERVED),

@@ -194,7 +194,7 @@ class StepCosts:
     target: tuple[float, float]  # a target pass: (seconds, seconds per row)
     draft: tuple[float, float] = (0.0, 0.0)  # a batched draft-LM pass, likewise
     draft_passes: float = 0.0  # batched draft passes per drafted token (1: a draft LM; 0: drafts on threads)
-    gap_s: float = 0.0  # between two passes: the sequences' own work (verification, streaming, drafting on threads)
+    gap_s: float = 0.0  # between two passes, drafting nothing: the sequences' own work (verification, streaming)
     # A drafted token's seconds on a generation thread (an observed gap_s holds the drafting of the moment too).
     thread_token_s: float = 0.0
     gap_row_s: float = 0.0  # the wait between passes per sequence and drafted row: verifying it, drafting it
