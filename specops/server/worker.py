@@ -72,10 +72,6 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-_frozen_by = 0  # running workers that froze the heap (tests and benchmarks run several in one process)
-_frozen_lock = threading.Lock()
-
-
 def warm_up(model: ServedModel) -> None:
     """Short greedy and sampled generations: the first calls pay one-off costs that a request should not see.
 
@@ -177,7 +173,6 @@ class GenerationWorker:
         self._window_s = window_s
         self._cores = torch.get_num_threads()  # as the server was started (--threads); slots set theirs per job
         self._stop = threading.Event()
-        self._froze = False  # whether this worker counts in _frozen_by
         self._boot = threading.Thread(target=self._start_slots, name="specops-warm-up", daemon=True)
         self._threads = [threading.Thread(target=self._run, name=f"specops-generation-{i}", daemon=True)
                          for i in range(slots)]
@@ -202,12 +197,7 @@ class GenerationWorker:
         for thread in (self._boot, *self._threads):
             if thread.is_alive():
                 thread.join(timeout)
-        global _frozen_by
-        with _frozen_lock:
-            if self._froze:
-                self._froze, _frozen_by = False, _frozen_by - 1
-                if not _frozen_by:  # what the process keeps running (tests start many servers) is collected again
-                    gc.unfreeze()
+        gc.unfreeze()  # what the process keeps running (tests start many servers) is collected again
 
     def submit(self, job: Job) -> None:
         self._metrics.queue_depth_seen.observe(self._queue.qsize())
@@ -248,11 +238,7 @@ class GenerationWorker:
         torch.set_num_threads(self._cores)  # a new thread starts with the last value any thread set (a slot's 1)
         warm_up(model)
         serving = self._serving_of(model)
-        global _frozen_by
-        with _frozen_lock:
-            freeze_heap()  # the model and everything it built are here to stay
-            if not self._froze:
-                self._froze, _frozen_by = True, _frozen_by + 1
+        freeze_heap()  # the model and everything it built are here to stay
         return serving
 
     def _start_slots(self) -> None:
