@@ -52,7 +52,9 @@ transformers' forward on one sequence and the drafter alone: at 8 users a 16-row
 ~35 ms and the drafts did not pay, which the start-up model could not see. A drafted row is priced apart
 from a sequence (cost_model.BatchPassFit) and the wait per drafted row is priced too: a line in rows fitted
 while nobody drafted priced a drafted row at a whole sequence's cost, and a constant wait hid what verifying
-and drafting on the sequences' threads add to it (docs/results.md, 2026-11-28).
+and drafting on the sequences' threads add to it (docs/results.md, 2026-11-28). Both slopes lean on priors
+(the start-up model's row, a drafted token's seconds on a thread), so that once drafts stop, the slopes
+they showed decay back to their priors and drafts are tried again, instead of resting on old evidence.
 """
 
 from __future__ import annotations
@@ -65,12 +67,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from transformers import PreTrainedModel
 
-from specops.core.cost_model import BatchPassFit, CostModel, DecayedRatio, PassFit, StepCosts
+from specops.core.cost_model import PRIOR_PASSES, BatchPassFit, CostModel, DecayedRatio, PassFit, StepCosts
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
 from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, STATIC_BUCKET
@@ -114,6 +116,15 @@ def _invariant_forward(model: PreTrainedModel) -> LlamaForward:
     return llama_forward(model)[0]
 
 
+class _Seen(NamedTuple):
+    """What the batches run so far tell (PassBatcher._observed); None where not yet."""
+
+    target: tuple[float, float, float] | None  # a target pass: fixed, per sequence, per drafted row (seconds)
+    draft: tuple[float, float] | None  # a draft pass: fixed, per row
+    passes: float | None  # draft passes per drafted token
+    wait: tuple[float, float] | None  # the wait between batches per sequence: fixed, per drafted row before it
+
+
 @dataclass(eq=False)  # passes are compared by identity
 class _Pass:
     work: Segment | Callable[[], Any]  # a segment to batch, or a call to run alone on the pass thread
@@ -153,15 +164,16 @@ class PassBatcher:
         self._cohort: set[int] = set()  # threads whose passes ran in the last batch
         self._pass_s = window_s  # the last batch's duration: how long a pass waits for the last batch's sequences
         # What draft_caps learns from the batches run here (step_costs): the target's pass times by sequences
-        # and drafted rows, a draft model's by rows, the wait between two batches per sequence (their own work:
-        # verification, streaming, drafting on their threads), and the draft passes per drafted token (a suffix
-        # front's drafts take none).
+        # and drafted rows, a draft model's by rows, the draft passes per drafted token (a suffix front's
+        # drafts take none), and the wait between two batches per sequence (their own work: verification,
+        # streaming, drafting on their threads) as a line in the rows drafted per sequence in the batch before
+        # it, which the sequences verify meanwhile (and then draft again, a suffix front's walks); its slope
+        # leans on a prior, as BatchPassFit's does, so it is priced before drafts are seen, and returns to the
+        # prior once drafts stop, so they come back to be measured.
         self.target_fit, self.draft_fit = BatchPassFit(), PassFit()
-        self.gap, self.draft_passes = DecayedRatio(), DecayedRatio()
-        # The wait per sequence against the drafted rows per sequence of the batch before it: verifying drafted
-        # rows and drafting on the threads (a suffix front's walks) is the sequences' own work, in the wait.
-        self.gap_fit = PassFit()
-        self._drafted_rows = 0.0  # drafted rows per sequence of the last batched target pass
+        self.draft_passes = DecayedRatio()
+        self.gap_fit = PassFit(prior_weight=PRIOR_PASSES)
+        self._drafted_rows = 0.0  # drafted target rows per sequence of the last batch (0: it ran draft passes)
         self._batch_end: float | None = None  # when the last batch ended; None once a pass alone ran since
         self._drafting: dict[int, int] = {}  # a sequence's draft passes since its last target pass
         self._startup: tuple[tuple[CostModel, bool], StepCosts] | None = None  # step_costs' start-up model, built once
@@ -201,16 +213,12 @@ class PassBatcher:
             self._startup = (self.cost, self.batched_drafts), StepCosts.from_startup(self.cost, self.batched_drafts)
         return self._startup[1]
 
-    def _observed(self, row_prior: float) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None,
-                                                   float | None, float | None, tuple[float, float] | None]:
-        """The target's pass coefficients (BatchPassFit, its drafted rows' slope leaning on `row_prior`), the
-        draft's pass line, the wait between batches per sequence, the draft passes per drafted token and the
-        wait per sequence as a line in the drafted rows per sequence before it, each once it rests on
-        MIN_OBSERVED observations (a line: of more than one row count), else None."""
+    def _observed(self, row_prior: float, wait_prior: float) -> _Seen:
+        """What the fits tell once each rests on MIN_OBSERVED observations (the draft's line: of more than one
+        row count), the slopes of the target's drafted rows and of the wait leaning on their priors."""
         with self._cond:
-            return (self.target_fit.coefficients(row_prior, MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
-                    self.gap.value(MIN_OBSERVED), self.draft_passes.value(MIN_OBSERVED),
-                    self.gap_fit.line(MIN_OBSERVED))
+            return _Seen(self.target_fit.coefficients(row_prior, MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
+                         self.draft_passes.value(MIN_OBSERVED), self.gap_fit.line(MIN_OBSERVED, wait_prior))
 
     def step_costs(self, batch: int) -> StepCosts | None:
         """What a step costs at `batch` sequences (specops.core.policies.step_seconds): each part from the
@@ -219,8 +227,8 @@ class PassBatcher:
         sequence and the drafter alone, not these batched passes nor the wait between them, which grow with
         the batch."""
         # Read before computing (a batch may end meanwhile): the observations so far and the start-up model.
-        key = (self.target_fit.added, self.draft_fit.added, self.gap.added, self.draft_passes.added,
-               self.gap_fit.added, self.cost, self.batched_drafts)
+        key = (self.target_fit.added, self.draft_fit.added, self.draft_passes.added, self.gap_fit.added, self.cost,
+               self.batched_drafts)
         cached = self._costs.get(batch)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -232,15 +240,17 @@ class PassBatcher:
         startup = self._startup_costs()
         if startup is None:
             return None
-        fit, draft, gap, passes, gap_line = self._observed(startup.target[1])
-        if fit is None:
+        # A token drafted on a generation thread (drafts not batched here) is in the wait: its thread's share
+        # of the cores, per sequence. The wait's fit prices it once seen, and until then this prior does.
+        wait_prior = startup.thread_token_s * max(1.0, batch / self.cores) / batch
+        seen = self._observed(startup.target[1], wait_prior)
+        if seen.target is None:
             return startup
-        target = BatchPassFit.as_line(fit, batch)
-        gap_s, gap_row_s = gap_line or (gap or 0.0, 0.0)
-        if not self.batched_drafts:  # drafting on the threads: its time so far is in the gap, beside the target's
-            return StepCosts(target, gap_s=gap_s * batch, thread_token_s=startup.thread_token_s, gap_row_s=gap_row_s)
-        return StepCosts(target, draft or startup.draft, startup.draft_passes if passes is None else passes,
-                         gap_s * batch, gap_row_s=gap_row_s)
+        fixed, per_sequence, per_row = seen.target
+        gap_s, gap_row_s = seen.wait or (0.0, wait_prior)
+        return StepCosts((fixed, per_row), per_sequence, seen.draft or startup.draft,
+                         startup.draft_passes if seen.passes is None else seen.passes, gap_s * batch,
+                         gap_row_s=gap_row_s)
 
     def draft_caps(self, acceptance: float, max_tokens: int) -> tuple[int, int]:
         """The longest drafts that still pay at the current batch size (SmartSpec: specops.core.policies),
@@ -256,14 +266,15 @@ class PassBatcher:
 
     def observed(self) -> dict[str, float]:
         """What the batches run here showed (NaN where not yet): a target pass's fixed seconds, seconds per
-        sequence and per drafted row, a draft pass's seconds and seconds per row, the wait between batches per
-        sequence, and the draft passes per drafted token."""
+        sequence and per drafted row, a draft pass's seconds and seconds per row, the draft passes per drafted
+        token, and the wait between batches per sequence and per drafted row (priors as one sequence sees
+        them)."""
         startup = self._startup_costs()
-        target, draft, gap, passes, _ = self._observed(0.0 if startup is None else startup.target[1])
-        values = {"gap_per_sequence_s": math.nan if gap is None else gap,
-                  "draft_passes_per_token": math.nan if passes is None else passes}
-        values["target_pass_s"], values["target_sequence_s"], values["target_row_s"] = target or (math.nan,) * 3
-        values["draft_pass_s"], values["draft_row_s"] = draft or (math.nan, math.nan)
+        seen = self._observed(*((0.0, 0.0) if startup is None else (startup.target[1], startup.thread_token_s)))
+        values = {"draft_passes_per_token": math.nan if seen.passes is None else seen.passes}
+        values["target_pass_s"], values["target_sequence_s"], values["target_row_s"] = seen.target or (math.nan,) * 3
+        values["draft_pass_s"], values["draft_row_s"] = seen.draft or (math.nan, math.nan)
+        values["gap_per_sequence_s"], values["gap_row_s"] = seen.wait or (math.nan, math.nan)
         return values
 
     def run(self, segment: Segment, forward: LlamaForward | None = None, head: bool = True,
@@ -357,7 +368,6 @@ class PassBatcher:
         if batched:
             cohort = {p.thread for p in due}
             if self._batch_end is not None and cohort <= self._cohort:  # the same sequences, back from their work
-                self.gap.add(began - self._batch_end, len(cohort))
                 self.gap_fit.add(self._drafted_rows, (began - self._batch_end) / len(cohort))
             self._cohort = cohort
         timed: list[tuple[bool, int, int, float]] = []  # (the target's?, sequences, rows, seconds) of each pass
@@ -386,13 +396,15 @@ class PassBatcher:
                 p.error = error
         finally:
             self._cond.acquire()
+            drafted = 0
             for target, sequences, rows, seconds in timed:
                 if target:
                     self.target_fit.add(sequences, rows, seconds)
-                    self._drafted_rows = (rows - sequences) / sequences
+                    drafted = rows - sequences
                 else:
                     self.draft_fit.add(rows, seconds)
             if batched:
+                self._drafted_rows = drafted / len(due)  # each sequence ran one pass: the wait is per sequence
                 self._count_drafts(due)
             end = time.monotonic()
             self._batch_end = end if batched else None

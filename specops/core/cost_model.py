@@ -25,6 +25,7 @@ from specops.core.kv import CachedLM
 from specops.core.loop import GREEDY
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)  # tokens per target pass to time; others are interpolated
+PRIOR_PASSES = 10.0  # how many passes' worth a fitted slope's prior weighs (BatchPassFit, a batcher's wait)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class PassFit:
     rows). The running sums are all it keeps."""
 
     decay: float = 0.98
+    # A ridge on the slope toward a prior given to `line`, worth this many passes of one row each (0: none;
+    # then `line` waits until the passes' rows differ).
+    prior_weight: float = 0.0
     weight: float = 0.0  # decayed count of passes, then decayed sums of rows, seconds, rows**2, rows * seconds
     rows: float = 0.0
     seconds: float = 0.0
@@ -89,20 +93,22 @@ class PassFit:
         self.rows2 = d * self.rows2 + rows * rows
         self.rows_seconds = d * self.rows_seconds + rows * seconds
 
-    def line(self, min_weight: float = 1.0) -> tuple[float, float] | None:
-        """(intercept, slope): seconds = intercept + slope * rows; None before `min_weight` passes or while
-        every pass had the same rows (no slope to see). Neither is negative: timing noise can tilt the line,
-        but no pass takes less than no time, nor less for more rows."""
+    def line(self, min_weight: float = 1.0, slope_prior: float = 0.0) -> tuple[float, float] | None:
+        """(intercept, slope): seconds = intercept + slope * rows; None before `min_weight` passes or, without
+        a prior, while every pass had the same rows (no slope to see). With `prior_weight`, the slope is the
+        ridge estimate toward `slope_prior`. Neither is negative: timing noise can tilt the line, but no pass
+        takes less than no time, nor less for more rows."""
         if self.weight < min_weight:
             return None
-        mean_rows, mean_s = self.rows / self.weight, self.seconds / self.weight
-        spread = self.rows2 / self.weight - mean_rows**2
-        if spread < 1e-6:
+        w, ridge = self.weight, self.prior_weight
+        mean_rows, mean_s = self.rows / w, self.seconds / w
+        spread = self.rows2 - w * mean_rows**2  # centred sums
+        if ridge == 0 and spread < 1e-6 * w:
             return None
-        slope = max(0.0, (self.rows_seconds / self.weight - mean_rows * mean_s) / spread)
+        slope = max(0.0, (self.rows_seconds - w * mean_rows * mean_s + ridge * slope_prior) / (spread + ridge))
         intercept = mean_s - slope * mean_rows
         if intercept < 0:  # through the origin instead
-            return 0.0, self.rows_seconds / self.rows2
+            return 0.0, (self.rows_seconds + ridge * slope_prior) / (self.rows2 + ridge)
         return intercept, slope
 
 
@@ -122,7 +128,7 @@ class BatchPassFit:
     once the drafts stop it returns to the prior as they decay, so drafts come back to be measured again."""
 
     decay: float = 0.98
-    prior_weight: float = 10.0
+    prior_weight: float = PRIOR_PASSES
     weight: float = 0.0  # decayed count of passes, then decayed sums of s, d, t and their products
     s: float = 0.0
     d: float = 0.0
@@ -155,16 +161,14 @@ class BatchPassFit:
         cdd += self.prior_weight
         cdt += self.prior_weight * row_prior
         det = css * cdd - csd * csd
-        per_sequence = max(0.0, (cst * cdd - csd * cdt) / det)
-        per_row = max(0.0, (css * cdt - csd * cst) / det)
+        per_sequence, per_row = (cst * cdd - csd * cdt) / det, (css * cdt - csd * cst) / det
+        # A slope that noise tilts below 0 is 0, and the other is then fitted alone: the joint solution
+        # had leant on the clamped one (the two are correlated when sequences that join the batch draft).
+        if per_sequence < 0:
+            per_sequence, per_row = 0.0, max(0.0, cdt / cdd)
+        elif per_row < 0:
+            per_sequence, per_row = max(0.0, cst / css), 0.0
         return max(0.0, mt - per_sequence * ms - per_row * md), per_sequence, per_row
-
-    @staticmethod
-    def as_line(coefficients: tuple[float, float, float], batch: int) -> tuple[float, float]:
-        """A pass of `batch` sequences as (seconds, seconds per row), what StepCosts.target holds: its rows
-        (each sequence's committed token and its drafts) at per_row, the rest fixed."""
-        fixed, per_sequence, per_row = coefficients
-        return max(0.0, fixed + (per_sequence - per_row) * batch), per_row
 
 
 @dataclass
@@ -191,25 +195,25 @@ class DecayedRatio:
 class StepCosts:
     """What one step of a batch of sequences takes (SmartSpec under load: specops.core.policies.step_seconds)."""
 
-    target: tuple[float, float]  # a target pass: (seconds, seconds per row)
-    draft: tuple[float, float] = (0.0, 0.0)  # a batched draft-LM pass, likewise
+    target: tuple[float, float]  # a target pass: (fixed seconds, seconds per drafted row)
+    sequence_s: float = 0.0  # what a sequence adds to its target pass: its committed row, attention over its cache
+    draft: tuple[float, float] = (0.0, 0.0)  # a batched draft-LM pass: (fixed seconds, seconds per row)
     draft_passes: float = 0.0  # batched draft passes per drafted token (1: a draft LM; 0: drafts on threads)
     gap_s: float = 0.0  # between two passes, drafting nothing: the sequences' own work (verification, streaming)
-    # A drafted token's seconds on a generation thread (an observed gap_s holds the drafting of the moment too).
-    thread_token_s: float = 0.0
+    thread_token_s: float = 0.0  # a drafted token's seconds on a generation thread, while the wait is not observed
     gap_row_s: float = 0.0  # the wait between passes per sequence and drafted row: verifying it, drafting it
 
     @classmethod
     def from_startup(cls, cost: CostModel, batched_drafts: bool) -> StepCosts:
-        """The start-up model's: its target times as a line; a drafted token as one batched draft pass of its
-        time, or as its time on a generation thread."""
+        """The start-up model's: its target times (one sequence's passes) as a line, each row at its slope;
+        a drafted token as one batched draft pass of its time, or as its time on a generation thread."""
         fit = PassFit(decay=1.0)
         for tokens, seconds in cost.verify_s:
             fit.add(tokens, seconds)
-        target = fit.line() or (cost.verify_s[0][1], 0.0)  # one measured size: no slope
+        fixed, per_row = fit.line() or (cost.verify_s[0][1], 0.0)  # one measured size: no slope
         if batched_drafts:
-            return cls(target, (cost.draft_token_s, 0.0), draft_passes=1.0)
-        return cls(target, thread_token_s=cost.draft_token_s)
+            return cls((fixed, per_row), per_row, (cost.draft_token_s, 0.0), draft_passes=1.0)
+        return cls((fixed, per_row), per_row, thread_token_s=cost.draft_token_s)
 
 
 def timing_ids(n: int) -> list[int]:

@@ -19,6 +19,7 @@ what batch invariance needs (specops.core.kv).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -395,6 +396,9 @@ class _AttentionPlan:
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()
+# Sequences starting together on their own threads (a batched server's) must share one forward per model:
+# a batcher tells models apart by their forward, and a second one would also hold a second packed copy.
+_FORWARDS_LOCK = threading.Lock()
 
 
 def _weights_version(model: PreTrainedModel) -> tuple[int, ...]:
@@ -407,12 +411,13 @@ def llama_forward(model: PreTrainedModel, compiled: bool = False) -> tuple[Llama
     eager module), built once per model: compiling takes a minute or two, once a process, and every
     caller (plain decoding, feature-reading drafters) shares the one graph, so they round alike."""
     version = _weights_version(model)
-    entry = _FORWARDS.get(model)
-    if entry is None or entry["version"] != version:
-        entry = {"version": version, "eager": LlamaForward(model).eval()}
-        _FORWARDS[model] = entry
-    if not compiled:
-        return entry["eager"], entry["eager"]
-    if "compiled" not in entry:
-        entry["compiled"] = torch.compile(entry["eager"], options=INDUCTOR_OPTIONS)
-    return entry["eager"], entry["compiled"]
+    with _FORWARDS_LOCK:
+        entry = _FORWARDS.get(model)
+        if entry is None or entry["version"] != version:
+            entry = {"version": version, "eager": LlamaForward(model).eval()}
+            _FORWARDS[model] = entry
+        if not compiled:
+            return entry["eager"], entry["eager"]
+        if "compiled" not in entry:
+            entry["compiled"] = torch.compile(entry["eager"], options=INDUCTOR_OPTIONS)
+        return entry["eager"], entry["compiled"]

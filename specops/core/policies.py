@@ -174,12 +174,12 @@ def step_seconds(costs: StepCosts, batch: int, k: int, cores: int) -> float:
     The sequences' rounds are out of phase (each ends its draft where its stop rule says), so a round runs
     the target's pass when any sequence verifies in it, P = 1 - (1 - 1 / rounds) ** batch, and the draft's
     when any drafts, P = 1 - (1 / rounds) ** batch, each paying its pass's fixed seconds; a step's rows
-    (k + 1 target rows and d * k draft rows a sequence) spread over its rounds. So once several sequences
-    run, a drafted token that costs a draft pass costs nearly a whole target pass's fixed part; at one
-    sequence the rounds cannot clash and only the draft pass is paid."""
+    (each sequence once in a target pass with k drafted rows, and d * k draft rows) spread over its rounds.
+    So once several sequences run, a drafted token that costs a draft pass costs nearly a whole target
+    pass's fixed part; at one sequence the rounds cannot clash and only the draft pass is paid."""
     rounds = 1.0 + costs.draft_passes * k
     verifying, drafting = 1.0 - (1.0 - 1.0 / rounds) ** batch, 1.0 - (1.0 / rounds) ** batch
-    rows_s = batch * ((k + 1) * costs.target[1] + costs.draft_passes * k * costs.draft[1])
+    rows_s = batch * (costs.sequence_s + k * costs.target[1] + costs.draft_passes * k * costs.draft[1])
     threads_s = k * costs.thread_token_s * max(1.0, batch / cores) + batch * k * costs.gap_row_s
     return rounds * (costs.gap_s + verifying * costs.target[0] + drafting * costs.draft[0]) + rows_s + threads_s
 

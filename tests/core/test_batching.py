@@ -189,11 +189,11 @@ def decoding(batcher: PassBatcher, sequences: int) -> Iterator[None]:
 
 def observe(batcher: PassBatcher, target: tuple[float, float], passes: int = 200) -> None:
     """Record target passes of 1 to 16 sequences and 0 to 39 drafted rows taking target[0] + target[1] * rows
-    seconds (as the pass thread records its own), and a 1 ms wait per sequence between them."""
+    seconds (as the pass thread records its own), and a 1 ms wait per sequence between them, whatever was drafted."""
     for i in range(passes):
         sequences, drafted = 1 + i % 16, i * 7 % 40
         batcher.target_fit.add(sequences, sequences + drafted, target[0] + target[1] * (sequences + drafted))
-        batcher.gap.add(0.001 * 8, 8)
+        batcher.gap_fit.add(i % 4, 0.001)
 
 
 FLAT = CostModel(draft_token_s=0.0002, verify_s=((1, 0.020), (16, 0.0201), (80, 0.0205)))  # start-up: rows free
@@ -247,6 +247,56 @@ def test_the_wait_for_each_drafted_row_counts_against_free_drafts():
         with decoding(batcher, 8):
             caps[slope] = batcher.draft_caps(0.7, 4)[1]
     assert caps == {0.0: 4, 0.004: 0}
+    # Then nothing is drafted, so the waits tell nothing of the slope: it returns to its prior and drafts are
+    # tried again (without the wait fit's ridge the 4 ms stayed for ~700 batches, until its spread was gone).
+    for _ in range(300):
+        batcher.gap_fit.add(0.0, 0.001)
+    with decoding(batcher, 8):
+        assert batcher.draft_caps(0.7, 4)[1] == 4
+
+
+def test_drafting_on_the_threads_is_counted_once():
+    """Drafts on the generation threads (no draft pass): their start-up seconds a token price the wait per
+    drafted row until waits are seen (a sequence's share of the cores), then the waits do, and the thread
+    seconds are not added again on top. Mutant that must fail: thread_token_s kept beside the fitted wait."""
+    cost = CostModel(draft_token_s=0.004, verify_s=FLAT.verify_s)
+    batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=cost)
+    for i in range(200):
+        batcher.target_fit.add(8, 8 + i % 20, 0.02 + 0.0001 * (i % 20))
+    unseen = batcher.step_costs(8)
+    assert unseen.thread_token_s == 0.0 and unseen.gap_row_s == pytest.approx(0.004 * max(1, 8 / batcher.cores) / 8)
+    for i in range(200):
+        batcher.gap_fit.add(i % 5, 0.001 + 0.003 * (i % 5))
+    seen = batcher.step_costs(8)
+    assert seen.thread_token_s == 0.0 and seen.gap_row_s == pytest.approx(0.003, rel=0.05)  # the prior: 0.002
+
+
+def test_a_wait_is_charged_to_the_rows_drafted_in_the_batch_before_it():
+    """Two sequences' target pass with 2 drafted rows each, then a batch of their draft passes, then their
+    target pass again: the wait after the target pass is charged to 2 drafted rows a sequence (they verify
+    them meanwhile), the wait after the draft passes to none (they only sample a draft token). Charging
+    it to the last target pass's rows (the mutant) records 2 for both."""
+    model, draft = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_llama(1, layers=1, hidden=HIDDEN,
+                                                                                   dtype=torch.bfloat16)
+    batcher = PassBatcher(model)
+    draft_forward = batcher.forward_of(draft)
+    caches = {forward: [StaticLM(m, WIDTH, 128) for _ in range(2)]
+              for forward, m in ((batcher.forward, model), (draft_forward, draft))}
+    charged = []
+    batcher.gap_fit.add = lambda rows, seconds: charged.append(rows)  # type: ignore[method-assign]
+
+    def batch(forward, rows: int) -> None:
+        due = [_Pass(Segment(torch.tensor([5] * rows), torch.arange(rows), lm.keys, lm.values, *lm.tables),
+                     forward, thread=thread) for thread, lm in enumerate(caches[forward])]
+        with batcher._cond:
+            batcher._pending = list(due)
+            batcher._execute(due)
+        assert all(p.done and p.error is None for p in due)
+
+    batch(batcher.forward, 3)
+    batch(draft_forward, 1)
+    batch(batcher.forward, 3)
+    assert charged == [2.0, 0.0]
 
 
 def test_draft_passes_are_counted_against_drafts_that_ran_the_draft_model():
@@ -326,9 +376,9 @@ def test_the_pass_thread_records_its_passes():
     assert batcher.target_fit.weight == pytest.approx(reference.weight) and reference.weight > 0
     assert (batcher.target_fit.s, batcher.target_fit.d) == pytest.approx((reference.s, reference.d))
     assert 0.5 < batcher.draft_passes.value() <= 1.0
-    assert batcher.gap.denominator > 0 and batcher.draft_fit.weight > 0
+    assert batcher.gap_fit.weight > 0 and batcher.draft_fit.weight > 0
     assert set(batcher.observed()) == {"target_pass_s", "target_sequence_s", "target_row_s", "draft_pass_s", "draft_row_s",
-                                       "gap_per_sequence_s", "draft_passes_per_token"}
+                                       "gap_per_sequence_s", "gap_row_s", "draft_passes_per_token"}
 
 
 def lone_rows_equal_packed(model) -> bool:

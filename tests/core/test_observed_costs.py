@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -68,6 +69,41 @@ def test_the_fit_never_goes_negative():
     assert intercept == 0.0 and slope == pytest.approx((10 * 0.001 + 20 * 0.030) / (10**2 + 20**2))
 
 
+def test_the_ridge_leans_the_slope_on_its_prior():
+    """With prior_weight, the line is numpy's weighted least squares with the prior as `prior_weight` extra
+    passes' worth of one row each; it exists before the passes' rows differ (then the slope is the prior)."""
+    rng = random.Random(2)
+    passes = [(rows, 0.001 + 0.0004 * rows + rng.uniform(-0.0002, 0.0002)) for rows in
+              (rng.randint(0, 4) for _ in range(100))]
+    fit = PassFit(decay=0.97, prior_weight=10.0)
+    for rows, seconds in passes:
+        fit.add(rows, seconds)
+    rows, seconds = np.array(passes, dtype=float).T
+    root = np.sqrt(0.97 ** np.arange(len(passes) - 1, -1, -1))
+    design = np.vstack([np.stack([np.ones_like(rows), rows], 1) * root[:, None], [0.0, np.sqrt(10.0)]])
+    target = np.concatenate([seconds * root, [np.sqrt(10.0) * 0.002]])
+    assert fit.line(slope_prior=0.002) == pytest.approx(tuple(np.linalg.lstsq(design, target, rcond=None)[0]), rel=1e-6)
+    flat = PassFit(prior_weight=10.0)
+    for _ in range(20):
+        flat.add(0, 0.001)
+    assert flat.line(slope_prior=0.002) == pytest.approx((0.001, 0.002))
+
+
+def test_a_wait_slope_returns_to_its_prior_once_drafts_stop():
+    """Waits that grew 4 ms a drafted row, then waits after batches with no drafts: with the ridge the slope
+    is back near its prior (0) within 300 batches, so free drafts are tried again; without it (the control)
+    it stays at 4 ms, since waits at 0 drafted rows say nothing of the slope, which held drafts off."""
+    ridge, plain = PassFit(prior_weight=10.0), PassFit()
+    for i in range(100):
+        for fit in (ridge, plain):
+            fit.add(i % 5, 0.001 + 0.004 * (i % 5))
+    for _ in range(300):
+        for fit in (ridge, plain):
+            fit.add(0, 0.001)
+    assert ridge.line()[1] < 0.0005
+    assert plain.line()[1] == pytest.approx(0.004)
+
+
 def reference_plane(passes: list[tuple[int, int, float]], decay: float, row_prior: float, prior_weight: float
                     ) -> tuple[float, float, float]:
     """Weighted least squares of seconds on (1, sequences, drafted rows), with the drafted rows' ridge toward
@@ -94,6 +130,22 @@ def test_the_batch_fit_is_ridge_weighted_least_squares():
     assert fit.coefficients(0.0005, min_weight=100) is None  # ~33 passes' decayed weight
 
 
+def test_a_slope_below_zero_leaves_the_other_fitted_alone():
+    """Sequences that join the batch drafting (drafted rows rise with them) and passes that got cheaper with
+    more sequences: the joint fit puts the sequences' slope below 0; clamped, the drafted rows' slope is the
+    ridge fit of seconds on drafted rows alone (numpy), not the joint solution's, which leant on the other."""
+    passes = [(s, s + 3 * s + s % 3, 0.02 - 0.0008 * s + 0.0011 * (3 * s + s % 3)) for s in range(2, 14)] * 3
+    fit = BatchPassFit(decay=1.0, prior_weight=10.0)
+    for sequences, rows, seconds in passes:
+        fit.add(sequences, rows, seconds)
+    _, per_sequence, per_row = fit.coefficients(0.0005)
+    sequences, rows, seconds = np.array(passes, dtype=float).T
+    design = np.vstack([np.stack([np.ones_like(rows), rows - sequences], 1), [0.0, np.sqrt(10.0)]])
+    alone = np.linalg.lstsq(design, np.concatenate([seconds, [np.sqrt(10.0) * 0.0005]]), rcond=None)[0]
+    assert per_sequence == 0.0 and per_row == pytest.approx(alone[1], rel=1e-6)
+    assert reference_plane(passes, 1.0, 0.0005, 10.0)[1] < 0  # the joint fit really went below 0
+
+
 def test_a_drafted_row_is_priced_apart_from_a_sequence():
     """Passes without drafts, 10 to 16 sequences at 2 ms each: a line in rows prices a drafted row at 2 ms (the
     control: what kept drafts off for good), the batch fit at its prior. Passes with drafts at 0.9 ms a row
@@ -115,11 +167,14 @@ def test_a_drafted_row_is_priced_apart_from_a_sequence():
     assert fit.coefficients(0.0006)[2] == pytest.approx(0.0006, rel=0.02)
 
 
-def test_a_batch_fit_as_a_line_in_rows():
-    """fixed + per_sequence * batch + per_row * drafted, as (seconds, per row) over all of the batch's rows."""
-    seconds, per_row = BatchPassFit.as_line((0.015, 0.002, 0.0009), batch=8)
-    for drafted in (0, 5, 24):
-        assert seconds + per_row * (8 + drafted) == pytest.approx(0.015 + 0.002 * 8 + 0.0009 * drafted)
+@pytest.mark.parametrize("k", range(5))
+def test_a_sequence_is_paid_for_once_a_step(k):
+    """Each sequence is in one target pass a step, whatever the rounds its draft passes add: a step of 8
+    sequences costs 8 * the change in sequence_s more. Pricing it in the target pass's fixed part (paid in
+    every round where any sequence verifies, nearly all of them) fails at k > 0."""
+    costs = StepCosts((0.015, 0.0009), 0.002, (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002)
+    dearer = replace(costs, sequence_s=0.003)
+    assert step_seconds(dearer, 8, k, 2) - step_seconds(costs, 8, k, 2) == pytest.approx(8 * 0.001)
 
 
 def test_decayed_ratio_is_its_decayed_sums():
@@ -142,14 +197,14 @@ def enumerated_step_seconds(costs: StepCosts, batch: int, k: int, cores: int) ->
     for phases in itertools.product(range(rounds), repeat=batch):
         fixed += costs.gap_s + costs.target[0] * any(p == 0 for p in phases) + costs.draft[0] * any(p for p in phases)
     fixed *= rounds / rounds**batch  # the mean round, `rounds` times
-    rows = batch * ((k + 1) * costs.target[1] + costs.draft_passes * k * costs.draft[1])
+    rows = batch * (costs.sequence_s + k * costs.target[1] + costs.draft_passes * k * costs.draft[1])
     return fixed + rows + k * costs.thread_token_s * max(1.0, batch / cores) + batch * k * costs.gap_row_s
 
 
-COSTS = [StepCosts((0.020, 0.0006), (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002),  # a batched draft LM
-         StepCosts((0.020, 0.0001), (0.0005, 0.0), draft_passes=1.0),  # flat passes, cheap draft passes
-         StepCosts((0.020, 0.0020), gap_s=0.004, thread_token_s=0.001),  # drafts on the threads, costly rows
-         StepCosts((0.020, 0.0001), gap_s=0.004, gap_row_s=0.002)]  # free rows, each drafted one waited for
+COSTS = [StepCosts((0.020, 0.0006), 0.0012, (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002),  # a batched draft LM
+         StepCosts((0.020, 0.0001), 0.0001, (0.0005, 0.0), draft_passes=1.0),  # flat passes, cheap draft passes
+         StepCosts((0.020, 0.0020), 0.0030, gap_s=0.004, thread_token_s=0.001),  # drafts on the threads, costly rows
+         StepCosts((0.020, 0.0001), 0.0001, gap_s=0.004, gap_row_s=0.002)]  # free rows, each drafted one waited for
 
 
 @pytest.mark.parametrize("costs", COSTS)
@@ -169,14 +224,14 @@ def test_the_draft_length_maximizes_the_enumerated_goodput(costs):
 def test_one_sequence_pays_its_draft_passes_and_one_target_pass():
     costs = COSTS[0]
     k = 3
-    passes = k * (costs.draft[0] + costs.draft[1]) + costs.target[0] + (k + 1) * costs.target[1]
+    passes = k * (costs.draft[0] + costs.draft[1]) + costs.target[0] + costs.sequence_s + k * costs.target[1]
     assert step_seconds(costs, 1, k, cores=2) == pytest.approx(passes + (k + 1) * costs.gap_s)
 
 
 def test_the_startup_model_is_a_line_through_its_times():
     cost = CostModel(draft_token_s=0.004, verify_s=((1, 0.021), (4, 0.024), (16, 0.036)))
     batched = StepCosts.from_startup(cost, batched_drafts=True)
-    assert batched.target == pytest.approx((0.020, 0.001))
+    assert batched.target == pytest.approx((0.020, 0.001)) and batched.sequence_s == pytest.approx(0.001)
     assert (batched.draft, batched.draft_passes, batched.thread_token_s) == ((0.004, 0.0), 1.0, 0.0)
     threads = StepCosts.from_startup(cost, batched_drafts=False)
     assert (threads.draft_passes, threads.thread_token_s) == (0.0, 0.004)

@@ -99,6 +99,35 @@ def test_weights_changed_in_place_are_picked_up():
     assert llama_forward(model)[0] is not before
 
 
+
+def test_sequences_starting_together_share_one_forward(monkeypatch):
+    """Threads asking for a model's forward at once (a batched server's sequences starting together) get the
+    same one: a batcher tells the target's passes from a draft's by their forward, and refused a draft whose
+    forward another thread had just replaced (seen as a thread error in test_batching). A slow build widens
+    the race; without the lock in llama_forward each thread builds its own."""
+    import threading
+    import time
+
+    built = LlamaForward.__init__
+
+    def slow(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(LlamaForward, "__init__", slow)
+    model, start, got = tiny_llama(0, hidden=64), threading.Barrier(4), []
+
+    def ask() -> None:
+        start.wait()
+        got.append(llama_forward(model)[0])
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(got) == 4 and all(forward is got[0] for forward in got)
+
 def test_other_architectures_are_refused_with_a_reason():
     model = tiny_llama(0)
     model.config.mlp_bias = True
