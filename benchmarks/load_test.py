@@ -83,7 +83,10 @@ def start_server(spec: str, port: int, folder: Path, args: argparse.Namespace) -
     name, _, serve_args = spec.partition("=")
     db = folder / f"feedback-{name}.db"
     log = folder / f"server-{name}.log"
-    command = [sys.executable, "-c", CLI, "serve", *serve_args.split(), "--port", str(port), "--feedback-db", str(db),
+    cli = CLI
+    if name in args.checkout:  # its specops package first on the path; the paths in its arguments stay ours
+        cli = f"import sys; sys.path.insert(0, {str(args.checkout[name])!r}); {CLI}"
+    command = [sys.executable, "-c", cli, "serve", *serve_args.split(), "--port", str(port), "--feedback-db", str(db),
                "--queue-size", str(2 * max(args.concurrency)), "--max-prompt-tokens", "8000", "--timeout-s", "3600"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if args.threads:
@@ -239,8 +242,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="repeat everything on fresh servers; results are then per-level medians over the rounds "
                              "(counts summed), with each round's report and every server's throughput over the first "
                              "server's, round by round")
+    parser.add_argument("--checkout", nargs="+", default=[], metavar="NAME=PATH",
+                        help="serve NAME with the specops package of another checkout (`git worktree add PATH "
+                             "COMMIT`), to compare two versions of the code side by side in one run")
     parser.add_argument("--out", default="benchmarks/results/load_test.json")
     args = parser.parse_args(argv)
+    names = {spec.partition("=")[0] for spec in args.servers}
+    checkouts = [spec.partition("=") for spec in args.checkout]
+    if any(not path or name not in names or not (Path(path) / "specops").is_dir() for name, _, path in checkouts):
+        parser.error("--checkout takes NAME=PATH, NAME one of --servers and PATH a checkout holding specops/")
+    args.checkout = {name: Path(path).resolve() for name, _, path in checkouts}
     if args.requests < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.rounds < 1:
         parser.error("--requests, --max-tokens, --concurrency and --rounds must be >= 1")
     return args
@@ -367,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--fresh-prompts needs {args.requests * phases} prompts; {args.dataset} has {len(pool)}.")
     pool = [pool[i % len(pool)] for i in range(args.requests * phases)]
     report: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": {**{k: v for k, v in vars(args).items() if k != "out"},
+                   "checkout": {name: str(path) for name, path in args.checkout.items()}},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_start": os.getloadavg()},
     }
     rounds = []

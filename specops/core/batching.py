@@ -50,7 +50,7 @@ verified draft token), and a greedy or coupled sequence's draft is capped by the
 observations predict (specops.core.policies.step_seconds), not the start-up cost model's, which times
 transformers' forward on one sequence and the drafter alone: at 8 users a 16-row batched pass took
 ~35 ms and the drafts did not pay, which the start-up model could not see. A drafted row is priced apart
-from a sequence (cost_model.BatchPassFit) and the wait per drafted row is priced too: a line in rows fitted
+from a sequence (cost_model.PlaneFit) and the wait per drafted row is priced too: a line in rows fitted
 while nobody drafted priced a drafted row at a whole sequence's cost, and a constant wait hid what verifying
 and drafting on the sequences' threads add to it (docs/results.md, 2026-11-28). Both slopes lean on priors
 (the start-up model's row, a drafted token's seconds on a thread), so that once drafts stop, the slopes
@@ -72,7 +72,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from specops.core.cost_model import PRIOR_PASSES, BatchPassFit, CostModel, DecayedRatio, PassFit, StepCosts
+from specops.core.cost_model import CostModel, DecayedRatio, PassFit, PlaneFit, StepCosts
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
 from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, STATIC_BUCKET
@@ -122,7 +122,8 @@ class _Seen(NamedTuple):
     target: tuple[float, float, float] | None  # a target pass: fixed, per sequence, per drafted row (seconds)
     draft: tuple[float, float] | None  # a draft pass: fixed, per row
     passes: float | None  # draft passes per drafted token
-    wait: tuple[float, float] | None  # the wait between batches per sequence: fixed, per drafted row before it
+    wait: tuple[float, float, float] | None  # the wait per sequence: after a draft pass, more after a target
+    # pass, per row it verified
 
 
 @dataclass(eq=False)  # passes are compared by identity
@@ -166,20 +167,18 @@ class PassBatcher:
         # What draft_caps learns from the batches run here (step_costs): the target's pass times by sequences
         # and drafted rows, a draft model's by rows, the draft passes per drafted token (a suffix front's
         # drafts take none), and the wait between two batches per sequence (their own work: verification,
-        # streaming, drafting on their threads) as a line in the rows drafted per sequence in the batch before
-        # it, which the sequences verify meanwhile (and then draft again, a suffix front's walks); its slope
-        # leans on a prior, as BatchPassFit's does, so it is priced before drafts are seen, and returns to the
-        # prior once drafts stop, so they come back to be measured.
-        self.target_fit, self.draft_fit = BatchPassFit(), PassFit()
+        # streaming, drafting on their threads) against the batch before it (PlaneFit: the share of it that
+        # ran the target, and the rows per sequence it verified).
+        self.target_fit, self.draft_fit = PlaneFit(), PassFit()
         self.draft_passes = DecayedRatio()
-        self.gap_fit = PassFit(prior_weight=PRIOR_PASSES)
-        self._drafted_rows = 0.0  # drafted target rows per sequence of the last batch (0: it ran draft passes)
+        self.wait_fit = PlaneFit()
+        self._last_batch = (1.0, 0.0)  # its target pass's sequences and drafted rows, over all its sequences
         self._batch_end: float | None = None  # when the last batch ended; None once a pass alone ran since
         self._drafting: dict[int, int] = {}  # a sequence's draft passes since its last target pass
         self._startup: tuple[tuple[CostModel, bool], StepCosts] | None = None  # step_costs' start-up model, built once
         # step_costs per batch size, kept until the next observation: every sequence asks at every step, and
         # computing it takes the lock that the sequences waking from a batch are all taking too.
-        self._costs: dict[int, tuple[tuple[Any, ...], StepCosts | None]] = {}
+        self._costs: dict[tuple[int, bool], tuple[tuple[Any, ...], StepCosts | None]] = {}
         self._worker: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -218,28 +217,30 @@ class PassBatcher:
         row count), the slopes of the target's drafted rows and of the wait leaning on their priors."""
         with self._cond:
             return _Seen(self.target_fit.coefficients(row_prior, MIN_OBSERVED), self.draft_fit.line(MIN_OBSERVED),
-                         self.draft_passes.value(MIN_OBSERVED), self.gap_fit.line(MIN_OBSERVED, wait_prior))
+                         self.draft_passes.value(MIN_OBSERVED), self.wait_fit.coefficients(wait_prior, MIN_OBSERVED))
 
-    def step_costs(self, batch: int) -> StepCosts | None:
+    def step_costs(self, batch: int, free: bool = False) -> StepCosts | None:
         """What a step costs at `batch` sequences (specops.core.policies.step_seconds): each part from the
         batches observed here once there are enough (`_observed`), else from the start-up model; None without
         a start-up model (drafts are then not capped). The start-up model times transformers' forward on one
         sequence and the drafter alone, not these batched passes nor the wait between them, which grow with
-        the batch."""
+        the batch. `free`: for drafts that run no draft model (draft_caps)."""
         # Read before computing (a batch may end meanwhile): the observations so far and the start-up model.
-        key = (self.target_fit.added, self.draft_fit.added, self.draft_passes.added, self.gap_fit.added, self.cost,
+        key = (self.target_fit.added, self.draft_fit.added, self.draft_passes.added, self.wait_fit.added, self.cost,
                self.batched_drafts)
-        cached = self._costs.get(batch)
+        cached = self._costs.get((batch, free))
         if cached is not None and cached[0] == key:
             return cached[1]
-        costs = self._step_costs(batch)
-        self._costs[batch] = key, costs
+        costs = self._step_costs(batch, free)
+        self._costs[batch, free] = key, costs
         return costs
 
-    def _step_costs(self, batch: int) -> StepCosts | None:
+    def _step_costs(self, batch: int, free: bool) -> StepCosts | None:
         startup = self._startup_costs()
         if startup is None:
             return None
+        if free:  # no draft pass, nor the drafter's seconds on a thread (nor in the wait's prior)
+            startup = replace(startup, draft_passes=0.0, thread_token_s=0.0)
         # A token drafted on a generation thread (drafts not batched here) is in the wait: its thread's share
         # of the cores, per sequence. The wait's fit prices it once seen, and until then this prior does.
         wait_prior = startup.thread_token_s * max(1.0, batch / self.cores) / batch
@@ -247,34 +248,34 @@ class PassBatcher:
         if seen.target is None:
             return startup
         fixed, per_sequence, per_row = seen.target
-        gap_s, gap_row_s = seen.wait or (0.0, wait_prior)
+        after_draft, target_share, verified_row = seen.wait or (0.0, 0.0, wait_prior)
         return StepCosts((fixed, per_row), per_sequence, seen.draft or startup.draft,
-                         startup.draft_passes if seen.passes is None else seen.passes, gap_s * batch,
-                         gap_row_s=gap_row_s)
+                         startup.draft_passes if seen.passes is None or free else seen.passes,
+                         gap_s=(after_draft + target_share) * batch, draft_gap_s=after_draft, gap_row_s=verified_row)
 
     def draft_caps(self, acceptance: float, max_tokens: int) -> tuple[int, int]:
         """The longest drafts that still pay at the current batch size (SmartSpec: specops.core.policies),
         from what this batcher's passes took lately (`step_costs`): one that runs a draft model, and one
         that costs no model pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass."""
         batch = max(1, len(self._members))
-        costs = self.step_costs(batch)
-        if costs is None:
+        costs, free = self.step_costs(batch), self.step_costs(batch, free=True)
+        if costs is None or free is None:
             return max_tokens, max_tokens
-        free = replace(costs, draft_passes=0.0, thread_token_s=0.0)
         return (batch_draft_length(acceptance, costs, batch, max_tokens, self.cores),
                 batch_draft_length(acceptance, free, batch, max_tokens, self.cores))
 
     def observed(self) -> dict[str, float]:
         """What the batches run here showed (NaN where not yet): a target pass's fixed seconds, seconds per
         sequence and per drafted row, a draft pass's seconds and seconds per row, the draft passes per drafted
-        token, and the wait between batches per sequence and per drafted row (priors as one sequence sees
-        them)."""
+        token, and the wait between batches per sequence: after a target pass, after a draft pass, and per
+        row verified (its prior as one sequence sees it)."""
         startup = self._startup_costs()
         seen = self._observed(*((0.0, 0.0) if startup is None else (startup.target[1], startup.thread_token_s)))
         values = {"draft_passes_per_token": math.nan if seen.passes is None else seen.passes}
         values["target_pass_s"], values["target_sequence_s"], values["target_row_s"] = seen.target or (math.nan,) * 3
         values["draft_pass_s"], values["draft_row_s"] = seen.draft or (math.nan, math.nan)
-        values["gap_per_sequence_s"], values["gap_row_s"] = seen.wait or (math.nan, math.nan)
+        values["gap_draft_s"], share, values["gap_row_s"] = seen.wait or (math.nan,) * 3
+        values["gap_sequence_s"] = values["gap_draft_s"] + share
         return values
 
     def run(self, segment: Segment, forward: LlamaForward | None = None, head: bool = True,
@@ -368,7 +369,7 @@ class PassBatcher:
         if batched:
             cohort = {p.thread for p in due}
             if self._batch_end is not None and cohort <= self._cohort:  # the same sequences, back from their work
-                self.gap_fit.add(self._drafted_rows, (began - self._batch_end) / len(cohort))
+                self.wait_fit.add(*self._last_batch, (began - self._batch_end) / len(cohort))
             self._cohort = cohort
         timed: list[tuple[bool, int, int, float]] = []  # (the target's?, sequences, rows, seconds) of each pass
         self._cond.release()
@@ -396,15 +397,15 @@ class PassBatcher:
                 p.error = error
         finally:
             self._cond.acquire()
-            drafted = 0
+            verified = (0, 0)  # the target pass's sequences and drafted rows
             for target, sequences, rows, seconds in timed:
                 if target:
-                    self.target_fit.add(sequences, rows, seconds)
-                    drafted = rows - sequences
+                    self.target_fit.add(sequences, rows - sequences, seconds)
+                    verified = sequences, rows - sequences
                 else:
                     self.draft_fit.add(rows, seconds)
-            if batched:
-                self._drafted_rows = drafted / len(due)  # each sequence ran one pass: the wait is per sequence
+            if batched:  # each sequence ran one pass: the wait after it is per sequence
+                self._last_batch = verified[0] / len(due), verified[1] / len(due)
                 self._count_drafts(due)
             end = time.monotonic()
             self._batch_end = end if batched else None

@@ -6,7 +6,7 @@ committed token and the draft). `measure_cost_model` times both at start-up; `Co
 data so tests build one by hand.
 
 A server that batches its passes (specops.core.batching) learns its costs while serving instead:
-`BatchPassFit` and `PassFit` follow what its passes take, and `StepCosts` is what SmartSpec's goodput under load needs
+`PlaneFit` and `PassFit` follow what its passes take, and `StepCosts` is what SmartSpec's goodput under load needs
 (specops.core.policies.batch_draft_length), from those fits or, until they exist, from the start-up model.
 """
 
@@ -25,7 +25,6 @@ from specops.core.kv import CachedLM
 from specops.core.loop import GREEDY
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)  # tokens per target pass to time; others are interpolated
-PRIOR_PASSES = 10.0  # how many passes' worth a fitted slope's prior weighs (BatchPassFit, a batcher's wait)
 
 
 @dataclass(frozen=True)
@@ -74,9 +73,6 @@ class PassFit:
     rows). The running sums are all it keeps."""
 
     decay: float = 0.98
-    # A ridge on the slope toward a prior given to `line`, worth this many passes of one row each (0: none;
-    # then `line` waits until the passes' rows differ).
-    prior_weight: float = 0.0
     weight: float = 0.0  # decayed count of passes, then decayed sums of rows, seconds, rows**2, rows * seconds
     rows: float = 0.0
     seconds: float = 0.0
@@ -93,82 +89,86 @@ class PassFit:
         self.rows2 = d * self.rows2 + rows * rows
         self.rows_seconds = d * self.rows_seconds + rows * seconds
 
-    def line(self, min_weight: float = 1.0, slope_prior: float = 0.0) -> tuple[float, float] | None:
-        """(intercept, slope): seconds = intercept + slope * rows; None before `min_weight` passes or, without
-        a prior, while every pass had the same rows (no slope to see). With `prior_weight`, the slope is the
-        ridge estimate toward `slope_prior`. Neither is negative: timing noise can tilt the line, but no pass
-        takes less than no time, nor less for more rows."""
+    def line(self, min_weight: float = 1.0) -> tuple[float, float] | None:
+        """(intercept, slope): seconds = intercept + slope * rows; None before `min_weight` passes or while
+        every pass had the same rows (no slope to see). Neither is negative: timing noise can tilt the line,
+        but no pass takes less than no time, nor less for more rows."""
         if self.weight < min_weight:
             return None
-        w, ridge = self.weight, self.prior_weight
-        mean_rows, mean_s = self.rows / w, self.seconds / w
-        spread = self.rows2 - w * mean_rows**2  # centred sums
-        if ridge == 0 and spread < 1e-6 * w:
+        mean_rows, mean_s = self.rows / self.weight, self.seconds / self.weight
+        spread = self.rows2 / self.weight - mean_rows**2
+        if spread < 1e-6:
             return None
-        slope = max(0.0, (self.rows_seconds - w * mean_rows * mean_s + ridge * slope_prior) / (spread + ridge))
+        slope = max(0.0, (self.rows_seconds / self.weight - mean_rows * mean_s) / spread)
         intercept = mean_s - slope * mean_rows
         if intercept < 0:  # through the origin instead
-            return 0.0, (self.rows_seconds + ridge * slope_prior) / (self.rows2 + ridge)
+            return 0.0, self.rows_seconds / self.rows2
         return intercept, slope
 
 
 @dataclass
-class BatchPassFit:
-    """The seconds of a batched target pass as fixed + per_sequence * sequences + per_row * drafted, where
-    drafted = rows - sequences (each sequence's rows past its last committed token), fitted by least squares
-    with PassFit's decayed weights.
+class PlaneFit:
+    """seconds = fixed + u_slope * u + v_slope * v, fitted by least squares with PassFit's decayed weights,
+    v's slope leaning on a prior through a ridge of `prior_weight` (as many observations' worth of v = 1).
 
-    Two slopes, not a line in rows: a sequence that joins the batch brings a row and attention over its own
-    cache, a drafted row only a row. A line in rows fitted while nobody drafted (rows equal sequences, 12-16
+    A batcher fits two planes (specops.core.batching). A batched target pass: u its sequences, v its drafted
+    rows (each sequence's rows past its last committed token). Two slopes, not a line in rows: a sequence
+    that joins the batch brings a row and attention over its own cache, a drafted row only a row. A line in rows fitted while nobody drafted (rows equal sequences, 12-16
     sequences coming and going) priced a drafted row at a whole sequence's cost, 1.7-2.5 ms at 16 users
     against 0.9-1.2 ms seen while they drafted (benchmarks/batched_serving.py, 2026-11-28), which kept the
     drafts off, so the fit never saw a drafted row again. While drafted rows are few, their slope leans on a
     prior (the start-up model's seconds per row, one sequence's passes of 1 to 40 rows) through a ridge of
-    `prior_weight`, as many passes' worth of one drafted row each; passes with drafts soon outweigh it, and
-    once the drafts stop it returns to the prior as they decay, so drafts come back to be measured again."""
+    `prior_weight`; passes with drafts soon outweigh it, and once the drafts stop it returns to the prior as
+    they decay, so drafts come back to be measured again.
+
+    The wait between two batches, per sequence: u the share of the batch before it that ran the target
+    (its sequences then stream, stop-check and verify; after a draft pass they only take a draft token),
+    v the rows per sequence it verified, which the sequences check (and then draft again: a suffix front's
+    walks). A line in v alone charged the per-step work done after every target pass to the drafted rows,
+    since only target passes verify any: at 16 users it held the draft LM off where it paid (2026-11-28)."""
 
     decay: float = 0.98
-    prior_weight: float = PRIOR_PASSES
-    weight: float = 0.0  # decayed count of passes, then decayed sums of s, d, t and their products
-    s: float = 0.0
-    d: float = 0.0
+    prior_weight: float = 10.0
+    weight: float = 0.0  # decayed count of observations, then decayed sums of u, v, t and their products
+    u: float = 0.0
+    v: float = 0.0
     t: float = 0.0
-    ss: float = 0.0
-    sd: float = 0.0
-    dd: float = 0.0
-    st: float = 0.0
-    dt: float = 0.0
+    uu: float = 0.0
+    uv: float = 0.0
+    vv: float = 0.0
+    ut: float = 0.0
+    vt: float = 0.0
     added: int = 0
 
-    def add(self, sequences: int, rows: int, seconds: float) -> None:
+    def add(self, u: float, v: float, seconds: float) -> None:
         self.added += 1
-        s, d, t, k = sequences, rows - sequences, seconds, self.decay
-        self.weight, self.s, self.d, self.t = k * self.weight + 1.0, k * self.s + s, k * self.d + d, k * self.t + t
-        self.ss, self.sd, self.dd = k * self.ss + s * s, k * self.sd + s * d, k * self.dd + d * d
-        self.st, self.dt = k * self.st + s * t, k * self.dt + d * t
+        t, k = seconds, self.decay
+        self.weight, self.u, self.v, self.t = k * self.weight + 1.0, k * self.u + u, k * self.v + v, k * self.t + t
+        self.uu, self.uv, self.vv = k * self.uu + u * u, k * self.uv + u * v, k * self.vv + v * v
+        self.ut, self.vt = k * self.ut + u * t, k * self.vt + v * t
 
-    def coefficients(self, row_prior: float, min_weight: float = 1.0) -> tuple[float, float, float] | None:
-        """(fixed, per_sequence, per_row) seconds; None before `min_weight` passes. Per_row is the ridge
-        estimate toward `row_prior`; none is negative (noise can tilt the fit, but more work never takes
-        less time)."""
+    def coefficients(self, v_prior: float, min_weight: float = 1.0) -> tuple[float, float, float] | None:
+        """(fixed, u_slope, v_slope) seconds; None before `min_weight` observations. The v slope is the ridge
+        estimate toward `v_prior`; none is negative (noise can tilt the fit, but more work never takes less
+        time)."""
         if self.weight < min_weight:
             return None
         w = self.weight
-        ms, md, mt = self.s / w, self.d / w, self.t / w
-        css, csd, cdd = self.ss - w * ms * ms, self.sd - w * ms * md, self.dd - w * md * md  # centred sums
-        cst, cdt = self.st - w * ms * mt, self.dt - w * md * mt
-        css += 1e-9  # one batch size only: per_sequence is then 0 and `fixed` holds the sequences' cost
+        ms, md, mt = self.u / w, self.v / w, self.t / w
+        css, csd, cdd = self.uu - w * ms * ms, self.uv - w * ms * md, self.vv - w * md * md  # centred sums
+        cst, cdt = self.ut - w * ms * mt, self.vt - w * md * mt
+        css += 1e-9  # one u only (one batch size): its slope is then 0 and `fixed` holds its part
         cdd += self.prior_weight
-        cdt += self.prior_weight * row_prior
+        cdt += self.prior_weight * v_prior
         det = css * cdd - csd * csd
-        per_sequence, per_row = (cst * cdd - csd * cdt) / det, (css * cdt - csd * cst) / det
+        u_slope, v_slope = (cst * cdd - csd * cdt) / det, (css * cdt - csd * cst) / det
         # A slope that noise tilts below 0 is 0, and the other is then fitted alone: the joint solution
         # had leant on the clamped one (the two are correlated when sequences that join the batch draft).
-        if per_sequence < 0:
-            per_sequence, per_row = 0.0, max(0.0, cdt / cdd)
-        elif per_row < 0:
-            per_sequence, per_row = max(0.0, cst / css), 0.0
-        return max(0.0, mt - per_sequence * ms - per_row * md), per_sequence, per_row
+        if u_slope < 0:
+            u_slope, v_slope = 0.0, max(0.0, cdt / cdd)
+        elif v_slope < 0:
+            u_slope, v_slope = max(0.0, cst / css), 0.0
+        return max(0.0, mt - u_slope * ms - v_slope * md), u_slope, v_slope
 
 
 @dataclass
@@ -199,8 +199,13 @@ class StepCosts:
     sequence_s: float = 0.0  # what a sequence adds to its target pass: its committed row, attention over its cache
     draft: tuple[float, float] = (0.0, 0.0)  # a batched draft-LM pass: (fixed seconds, seconds per row)
     draft_passes: float = 0.0  # batched draft passes per drafted token (1: a draft LM; 0: drafts on threads)
-    gap_s: float = 0.0  # between two passes, drafting nothing: the sequences' own work (verification, streaming)
-    thread_token_s: float = 0.0  # a drafted token's seconds on a generation thread, while the wait is not observed
+    # The waits between passes: the sequences' own work, one at a time under the GIL. A step's, drafting
+    # nothing (every sequence's after its target pass: verifying, streaming), and one sequence's after each of
+    # its draft passes (taking the draft token).
+    gap_s: float = 0.0
+    draft_gap_s: float = 0.0
+    thread_token_s: float = 0.0  # a drafted token's seconds on a generation thread (start-up model only: the
+    # batcher's observed costs hold it in gap_row_s, whose prior it is)
     gap_row_s: float = 0.0  # the wait between passes per sequence and drafted row: verifying it, drafting it
 
     @classmethod

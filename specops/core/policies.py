@@ -167,9 +167,11 @@ def best_draft_length(acceptance: float, cost: CostModel, max_tokens: int) -> in
 
 def step_seconds(costs: StepCosts, batch: int, k: int, cores: int) -> float:
     """Seconds of one step of `batch` sequences each drafting k tokens. The batcher runs one pass of every
-    sequence at a time, whichever model's (a round), then waits `gap_s` for the sequences' own work, so a
-    step takes 1 + d * k rounds, d the batched draft passes per drafted token (1 for a draft LM, 0 for
-    drafts on the generation threads, which take `thread_token_s` a token, `cores` threads at a time).
+    sequence at a time, whichever model's (a round), so a step takes 1 + d * k rounds, d the batched draft
+    passes per drafted token (1 for a draft LM, 0 for drafts on the generation threads, which take
+    `thread_token_s` a token, `cores` threads at a time). Between rounds it waits for the sequences' own
+    work, one sequence at a time under the GIL: a step's waits are each sequence's after its target pass
+    (`gap_s` for the batch, and `gap_row_s` per row it verifies) and after each draft pass (`draft_gap_s`).
 
     The sequences' rounds are out of phase (each ends its draft where its stop rule says), so a round runs
     the target's pass when any sequence verifies in it, P = 1 - (1 - 1 / rounds) ** batch, and the draft's
@@ -180,8 +182,9 @@ def step_seconds(costs: StepCosts, batch: int, k: int, cores: int) -> float:
     rounds = 1.0 + costs.draft_passes * k
     verifying, drafting = 1.0 - (1.0 - 1.0 / rounds) ** batch, 1.0 - (1.0 / rounds) ** batch
     rows_s = batch * (costs.sequence_s + k * costs.target[1] + costs.draft_passes * k * costs.draft[1])
-    threads_s = k * costs.thread_token_s * max(1.0, batch / cores) + batch * k * costs.gap_row_s
-    return rounds * (costs.gap_s + verifying * costs.target[0] + drafting * costs.draft[0]) + rows_s + threads_s
+    threads_s = k * costs.thread_token_s * max(1.0, batch / cores)
+    waits_s = costs.gap_s + batch * k * (costs.gap_row_s + costs.draft_passes * costs.draft_gap_s)
+    return rounds * (verifying * costs.target[0] + drafting * costs.draft[0]) + rows_s + threads_s + waits_s
 
 
 def batch_draft_length(acceptance: float, costs: StepCosts, batch: int, max_tokens: int, cores: int) -> int:

@@ -71,9 +71,9 @@ class ServerMetrics:
                                 "length policy weighs it under load (NaN until observed): target_pass_s, "
                                 "target_sequence_s and target_row_s (a target pass's fixed seconds, seconds per "
                                 "sequence and per drafted row), draft_pass_s and draft_row_s (a draft model's pass "
-                                "seconds and seconds per row), draft_passes_per_token, gap_per_sequence_s and "
-                                "gap_row_s (the wait between batches per sequence, and per row each drafted in the "
-                                "batch before).", ["field"], registry=r)
+                                "seconds and seconds per row), draft_passes_per_token, gap_sequence_s, "
+                                "gap_draft_s and gap_row_s (the wait between batches per sequence after its target "
+                                "pass and after a draft pass, and per row it verified).", ["field"], registry=r)
         self.bundle_info = Gauge("specops_bundle_info", "The model being served (value 1); version is the bundle "
                                  "hash, model_version the registry version.", ["version", "model_version", "drafter"],
                                  registry=r)

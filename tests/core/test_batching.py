@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specops.core.batching import PassBatcher, _Pass, batch_invariant
-from specops.core.cost_model import BatchPassFit, CostModel
+from specops.core.cost_model import CostModel, PlaneFit
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.loop import SpeculativeGenerator
@@ -192,8 +192,8 @@ def observe(batcher: PassBatcher, target: tuple[float, float], passes: int = 200
     seconds (as the pass thread records its own), and a 1 ms wait per sequence between them, whatever was drafted."""
     for i in range(passes):
         sequences, drafted = 1 + i % 16, i * 7 % 40
-        batcher.target_fit.add(sequences, sequences + drafted, target[0] + target[1] * (sequences + drafted))
-        batcher.gap_fit.add(i % 4, 0.001)
+        batcher.target_fit.add(sequences, drafted, target[0] + target[1] * (sequences + drafted))
+        batcher.wait_fit.add(1.0, i % 4, 0.001)
 
 
 FLAT = CostModel(draft_token_s=0.0002, verify_s=((1, 0.020), (16, 0.0201), (80, 0.0205)))  # start-up: rows free
@@ -243,14 +243,14 @@ def test_the_wait_for_each_drafted_row_counts_against_free_drafts():
         observe(batcher, (0.020, 0.00001))
         for i in range(200):
             drafted = i % 5  # drafted rows per sequence in the batch before the wait
-            batcher.gap_fit.add(drafted, 0.001 + slope * drafted)
+            batcher.wait_fit.add(1.0, drafted, 0.001 + slope * drafted)
         with decoding(batcher, 8):
             caps[slope] = batcher.draft_caps(0.7, 4)[1]
     assert caps == {0.0: 4, 0.004: 0}
     # Then nothing is drafted, so the waits tell nothing of the slope: it returns to its prior and drafts are
     # tried again (without the wait fit's ridge the 4 ms stayed for ~700 batches, until its spread was gone).
     for _ in range(300):
-        batcher.gap_fit.add(0.0, 0.001)
+        batcher.wait_fit.add(1.0, 0.0, 0.001)
     with decoding(batcher, 8):
         assert batcher.draft_caps(0.7, 4)[1] == 4
 
@@ -258,24 +258,28 @@ def test_the_wait_for_each_drafted_row_counts_against_free_drafts():
 def test_drafting_on_the_threads_is_counted_once():
     """Drafts on the generation threads (no draft pass): their start-up seconds a token price the wait per
     drafted row until waits are seen (a sequence's share of the cores), then the waits do, and the thread
-    seconds are not added again on top. Mutant that must fail: thread_token_s kept beside the fitted wait."""
+    seconds are not added again on top; free drafts (a suffix front's) pay neither. Mutants that must
+    fail: thread_token_s kept beside the fitted wait; free drafts priced with the drafter's prior."""
     cost = CostModel(draft_token_s=0.004, verify_s=FLAT.verify_s)
     batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=cost)
+    batcher.cores = 2  # the priors below are a sequence's share of two cores
     for i in range(200):
-        batcher.target_fit.add(8, 8 + i % 20, 0.02 + 0.0001 * (i % 20))
+        batcher.target_fit.add(8, i % 20, 0.02 + 0.0001 * (i % 20))
     unseen = batcher.step_costs(8)
-    assert unseen.thread_token_s == 0.0 and unseen.gap_row_s == pytest.approx(0.004 * max(1, 8 / batcher.cores) / 8)
+    assert unseen.thread_token_s == 0.0 and unseen.gap_row_s == pytest.approx(0.004 * 4 / 8)
+    with decoding(batcher, 8):
+        assert batcher.draft_caps(0.7, 4) == (0, 4)
     for i in range(200):
-        batcher.gap_fit.add(i % 5, 0.001 + 0.003 * (i % 5))
+        batcher.wait_fit.add(1.0, i % 5, 0.001 + 0.003 * (i % 5))
     seen = batcher.step_costs(8)
     assert seen.thread_token_s == 0.0 and seen.gap_row_s == pytest.approx(0.003, rel=0.05)  # the prior: 0.002
 
 
 def test_a_wait_is_charged_to_the_rows_drafted_in_the_batch_before_it():
     """Two sequences' target pass with 2 drafted rows each, then a batch of their draft passes, then their
-    target pass again: the wait after the target pass is charged to 2 drafted rows a sequence (they verify
-    them meanwhile), the wait after the draft passes to none (they only sample a draft token). Charging
-    it to the last target pass's rows (the mutant) records 2 for both."""
+    target pass again: the wait after the target pass is charged to a target pass and 2 verified rows a
+    sequence, the wait after the draft passes to neither (the sequences only take a draft token). Charging
+    it to the last target pass (the mutant) records the first for both."""
     model, draft = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_llama(1, layers=1, hidden=HIDDEN,
                                                                                    dtype=torch.bfloat16)
     batcher = PassBatcher(model)
@@ -283,7 +287,7 @@ def test_a_wait_is_charged_to_the_rows_drafted_in_the_batch_before_it():
     caches = {forward: [StaticLM(m, WIDTH, 128) for _ in range(2)]
               for forward, m in ((batcher.forward, model), (draft_forward, draft))}
     charged = []
-    batcher.gap_fit.add = lambda rows, seconds: charged.append(rows)  # type: ignore[method-assign]
+    batcher.wait_fit.add = lambda share, rows, seconds: charged.append((share, rows))  # type: ignore[method-assign]
 
     def batch(forward, rows: int) -> None:
         due = [_Pass(Segment(torch.tensor([5] * rows), torch.arange(rows), lm.keys, lm.values, *lm.tables),
@@ -296,7 +300,7 @@ def test_a_wait_is_charged_to_the_rows_drafted_in_the_batch_before_it():
     batch(batcher.forward, 3)
     batch(draft_forward, 1)
     batch(batcher.forward, 3)
-    assert charged == [2.0, 0.0]
+    assert charged == [(1.0, 2.0), (0.0, 0.0)]
 
 
 def test_draft_passes_are_counted_against_drafts_that_ran_the_draft_model():
@@ -354,12 +358,12 @@ def test_the_pass_thread_records_its_passes():
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
     draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)
     batcher = PassBatcher(target.model, window_s=0.05)
-    reference = BatchPassFit()
+    reference = PlaneFit()
     original = LlamaForward.forward_many
 
     def logging(self, segments, head=True):
         if self is batcher.forward:
-            reference.add(len(segments), sum(s.ids.shape[0] for s in segments), 0.0)
+            reference.add(len(segments), sum(s.ids.shape[0] - 1 for s in segments), 0.0)
         return original(self, segments, head)
 
     def run(prompt: list[int]) -> None:
@@ -374,11 +378,11 @@ def test_the_pass_thread_records_its_passes():
         for thread in threads:
             thread.join()
     assert batcher.target_fit.weight == pytest.approx(reference.weight) and reference.weight > 0
-    assert (batcher.target_fit.s, batcher.target_fit.d) == pytest.approx((reference.s, reference.d))
+    assert (batcher.target_fit.u, batcher.target_fit.v) == pytest.approx((reference.u, reference.v))
     assert 0.5 < batcher.draft_passes.value() <= 1.0
-    assert batcher.gap_fit.weight > 0 and batcher.draft_fit.weight > 0
+    assert batcher.wait_fit.weight > 0 and batcher.draft_fit.weight > 0
     assert set(batcher.observed()) == {"target_pass_s", "target_sequence_s", "target_row_s", "draft_pass_s", "draft_row_s",
-                                       "gap_per_sequence_s", "gap_row_s", "draft_passes_per_token"}
+                                       "gap_sequence_s", "gap_draft_s", "gap_row_s", "draft_passes_per_token"}
 
 
 def lone_rows_equal_packed(model) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specops.core.cost_model import BatchPassFit, CostModel, DecayedRatio, PassFit, StepCosts
+from specops.core.cost_model import CostModel, DecayedRatio, PassFit, PlaneFit, StepCosts
 from specops.core.policies import batch_draft_length, expected_tokens, step_seconds
 
 
@@ -69,45 +69,40 @@ def test_the_fit_never_goes_negative():
     assert intercept == 0.0 and slope == pytest.approx((10 * 0.001 + 20 * 0.030) / (10**2 + 20**2))
 
 
-def test_the_ridge_leans_the_slope_on_its_prior():
-    """With prior_weight, the line is numpy's weighted least squares with the prior as `prior_weight` extra
-    passes' worth of one row each; it exists before the passes' rows differ (then the slope is the prior)."""
-    rng = random.Random(2)
-    passes = [(rows, 0.001 + 0.0004 * rows + rng.uniform(-0.0002, 0.0002)) for rows in
-              (rng.randint(0, 4) for _ in range(100))]
-    fit = PassFit(decay=0.97, prior_weight=10.0)
-    for rows, seconds in passes:
-        fit.add(rows, seconds)
-    rows, seconds = np.array(passes, dtype=float).T
-    root = np.sqrt(0.97 ** np.arange(len(passes) - 1, -1, -1))
-    design = np.vstack([np.stack([np.ones_like(rows), rows], 1) * root[:, None], [0.0, np.sqrt(10.0)]])
-    target = np.concatenate([seconds * root, [np.sqrt(10.0) * 0.002]])
-    assert fit.line(slope_prior=0.002) == pytest.approx(tuple(np.linalg.lstsq(design, target, rcond=None)[0]), rel=1e-6)
-    flat = PassFit(prior_weight=10.0)
-    for _ in range(20):
-        flat.add(0, 0.001)
-    assert flat.line(slope_prior=0.002) == pytest.approx((0.001, 0.002))
-
-
 def test_a_wait_slope_returns_to_its_prior_once_drafts_stop():
-    """Waits that grew 4 ms a drafted row, then waits after batches with no drafts: with the ridge the slope
-    is back near its prior (0) within 300 batches, so free drafts are tried again; without it (the control)
-    it stays at 4 ms, since waits at 0 drafted rows say nothing of the slope, which held drafts off."""
-    ridge, plain = PassFit(prior_weight=10.0), PassFit()
+    """Waits that grew 4 ms a verified row, then waits after batches that verified none: with the ridge the
+    slope is back near its prior (0) within 300 batches, so free drafts are tried again; without it (the
+    control) it stays at 4 ms, since waits at 0 rows say nothing of the slope, which held drafts off."""
+    ridge, plain = PlaneFit(), PlaneFit(prior_weight=0.0)
     for i in range(100):
         for fit in (ridge, plain):
-            fit.add(i % 5, 0.001 + 0.004 * (i % 5))
+            fit.add(1.0, i % 5, 0.001 + 0.004 * (i % 5))
     for _ in range(300):
         for fit in (ridge, plain):
-            fit.add(0, 0.001)
-    assert ridge.line()[1] < 0.0005
-    assert plain.line()[1] == pytest.approx(0.004)
+            fit.add(1.0, 0.0, 0.001)
+    assert ridge.coefficients(0.0)[2] < 0.0005
+    assert plain.coefficients(0.0)[2] == pytest.approx(0.004)
+
+
+def test_the_wait_after_a_draft_pass_is_told_apart_from_a_verified_row():
+    """Sequences that take 1 ms after each target pass (streaming, stop checks) whatever it verified, and
+    0.2 ms after a draft pass: verified rows cost nothing. Fitted on the share of the batch that ran the
+    target and the rows it verified, the rows' slope is ~0; the control, a line in the verified rows alone
+    (the wait fit before), charges the per-step work to them, ~0.2 ms a row, which held drafts off."""
+    plane, line = PlaneFit(), PassFit()
+    for i in range(300):
+        target, rows = (1.0, 1 + i % 4) if i % 3 == 0 else (0.0, 0)  # a draft LM: k draft passes a step
+        wait = 0.0002 + 0.0008 * target
+        plane.add(target, rows, wait)
+        line.add(rows, wait)
+    assert plane.coefficients(0.0) == pytest.approx((0.0002, 0.0008, 0.0), abs=1e-6)
+    assert line.line()[1] > 0.0002
 
 
 def reference_plane(passes: list[tuple[int, int, float]], decay: float, row_prior: float, prior_weight: float
                     ) -> tuple[float, float, float]:
     """Weighted least squares of seconds on (1, sequences, drafted rows), with the drafted rows' ridge toward
-    `row_prior` (and BatchPassFit's tiny one on the sequences' slope) as extra rows of the system."""
+    `row_prior` (and PlaneFit's tiny one on the sequences' slope) as extra rows of the system."""
     sequences, rows, seconds = np.array(passes, dtype=float).T
     root = np.sqrt(decay ** np.arange(len(passes) - 1, -1, -1))
     design = np.stack([np.ones_like(sequences), sequences, rows - sequences], 1) * root[:, None]
@@ -123,9 +118,9 @@ def test_the_batch_fit_is_ridge_weighted_least_squares():
         sequences, drafted = rng.randint(1, 16), rng.randint(0, 30)
         passes.append((sequences, sequences + drafted,
                        0.015 + 0.0012 * sequences + 0.0008 * drafted + rng.uniform(-0.002, 0.002)))
-    fit = BatchPassFit(decay=0.97, prior_weight=10.0)
+    fit = PlaneFit(decay=0.97, prior_weight=10.0)
     for sequences, rows, seconds in passes:
-        fit.add(sequences, rows, seconds)
+        fit.add(sequences, rows - sequences, seconds)
     assert fit.coefficients(0.0005) == pytest.approx(reference_plane(passes, 0.97, 0.0005, 10.0), rel=1e-6)
     assert fit.coefficients(0.0005, min_weight=100) is None  # ~33 passes' decayed weight
 
@@ -135,9 +130,9 @@ def test_a_slope_below_zero_leaves_the_other_fitted_alone():
     more sequences: the joint fit puts the sequences' slope below 0; clamped, the drafted rows' slope is the
     ridge fit of seconds on drafted rows alone (numpy), not the joint solution's, which leant on the other."""
     passes = [(s, s + 3 * s + s % 3, 0.02 - 0.0008 * s + 0.0011 * (3 * s + s % 3)) for s in range(2, 14)] * 3
-    fit = BatchPassFit(decay=1.0, prior_weight=10.0)
+    fit = PlaneFit(decay=1.0, prior_weight=10.0)
     for sequences, rows, seconds in passes:
-        fit.add(sequences, rows, seconds)
+        fit.add(sequences, rows - sequences, seconds)
     _, per_sequence, per_row = fit.coefficients(0.0005)
     sequences, rows, seconds = np.array(passes, dtype=float).T
     design = np.vstack([np.stack([np.ones_like(rows), rows - sequences], 1), [0.0, np.sqrt(10.0)]])
@@ -150,14 +145,14 @@ def test_a_drafted_row_is_priced_apart_from_a_sequence():
     """Passes without drafts, 10 to 16 sequences at 2 ms each: a line in rows prices a drafted row at 2 ms (the
     control: what kept drafts off for good), the batch fit at its prior. Passes with drafts at 0.9 ms a row
     then move it there; once the drafts stop, it returns to the prior as they decay."""
-    def passes(fit: BatchPassFit, line: PassFit, drafted: range, count: int) -> None:
+    def passes(fit: PlaneFit, line: PassFit, drafted: range, count: int) -> None:
         for i in range(count):
             sequences, extra = 10 + i % 7, drafted[i % len(drafted)]
             seconds = 0.015 + 0.002 * sequences + 0.0009 * extra
-            fit.add(sequences, sequences + extra, seconds)
+            fit.add(sequences, extra, seconds)
             line.add(sequences + extra, seconds)
 
-    fit, line = BatchPassFit(), PassFit()
+    fit, line = PlaneFit(), PassFit()
     passes(fit, line, range(1), 200)
     assert line.line()[1] == pytest.approx(0.002)
     assert fit.coefficients(0.0006)[1:] == pytest.approx((0.002, 0.0006), rel=1e-3)
@@ -195,13 +190,15 @@ def enumerated_step_seconds(costs: StepCosts, batch: int, k: int, cores: int) ->
     rounds = 1 + int(costs.draft_passes) * k
     fixed = 0.0
     for phases in itertools.product(range(rounds), repeat=batch):
-        fixed += costs.gap_s + costs.target[0] * any(p == 0 for p in phases) + costs.draft[0] * any(p for p in phases)
+        fixed += costs.target[0] * any(p == 0 for p in phases) + costs.draft[0] * any(p for p in phases)
     fixed *= rounds / rounds**batch  # the mean round, `rounds` times
     rows = batch * (costs.sequence_s + k * costs.target[1] + costs.draft_passes * k * costs.draft[1])
-    return fixed + rows + k * costs.thread_token_s * max(1.0, batch / cores) + batch * k * costs.gap_row_s
+    waits = costs.gap_s + batch * k * (costs.gap_row_s + costs.draft_passes * costs.draft_gap_s)  # each sequence's
+    return fixed + rows + k * costs.thread_token_s * max(1.0, batch / cores) + waits
 
 
-COSTS = [StepCosts((0.020, 0.0006), 0.0012, (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002),  # a batched draft LM
+COSTS = [StepCosts((0.020, 0.0006), 0.0012, (0.0015, 0.0001), draft_passes=1.0, gap_s=0.002,  # a batched draft LM
+                   draft_gap_s=0.0003, gap_row_s=0.0001),
          StepCosts((0.020, 0.0001), 0.0001, (0.0005, 0.0), draft_passes=1.0),  # flat passes, cheap draft passes
          StepCosts((0.020, 0.0020), 0.0030, gap_s=0.004, thread_token_s=0.001),  # drafts on the threads, costly rows
          StepCosts((0.020, 0.0001), 0.0001, gap_s=0.004, gap_row_s=0.002)]  # free rows, each drafted one waited for
@@ -225,7 +222,8 @@ def test_one_sequence_pays_its_draft_passes_and_one_target_pass():
     costs = COSTS[0]
     k = 3
     passes = k * (costs.draft[0] + costs.draft[1]) + costs.target[0] + costs.sequence_s + k * costs.target[1]
-    assert step_seconds(costs, 1, k, cores=2) == pytest.approx(passes + (k + 1) * costs.gap_s)
+    waits = costs.gap_s + k * (costs.draft_gap_s + costs.gap_row_s)  # after its target pass, each draft pass, each row
+    assert step_seconds(costs, 1, k, cores=2) == pytest.approx(passes + waits)
 
 
 def test_the_startup_model_is_a_line_through_its_times():

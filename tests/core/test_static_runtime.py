@@ -99,7 +99,6 @@ def test_weights_changed_in_place_are_picked_up():
     assert llama_forward(model)[0] is not before
 
 
-
 def test_sequences_starting_together_share_one_forward(monkeypatch):
     """Threads asking for a model's forward at once (a batched server's sequences starting together) get the
     same one: a batcher tells the target's passes from a draft's by their forward, and refused a draft whose
@@ -127,6 +126,7 @@ def test_sequences_starting_together_share_one_forward(monkeypatch):
     for thread in threads:
         thread.join()
     assert len(got) == 4 and all(forward is got[0] for forward in got)
+
 
 def test_other_architectures_are_refused_with_a_reason():
     model = tiny_llama(0)
