@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="bfloat16").model
-    results = []
+    results, profiled = [], []
     with torch.inference_mode():
         for case in args.cases:
             lengths = lengths_of(case)
@@ -92,9 +92,13 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
                     run()
+            ops = sorted(prof.key_averages(), key=lambda op: op.self_cpu_time_total, reverse=True)
+            total = sum(op.self_cpu_time_total for op in ops)
+            profiled = [{"op": op.key, "self_cpu_share": round(op.self_cpu_time_total / total, 4), "calls": op.count}
+                        for op in ops[:20]]
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "results": results},
-                                         indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "results": results,
+                                          "profile_of_last_case": profiled}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

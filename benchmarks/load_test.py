@@ -79,6 +79,15 @@ class ServerProcess:
     log: Path
 
 
+def code_version(checkout: Path) -> str:
+    """The commit a checkout's code is at, "+changes" when tracked files differ from it (what a server ran)."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *command], capture_output=True, text=True).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if git("status", "--porcelain",
+                                                                                  "--untracked-files=no") else "")
+
+
 def start_server(spec: str, port: int, folder: Path, args: argparse.Namespace) -> ServerProcess:
     name, _, serve_args = spec.partition("=")
     db = folder / f"feedback-{name}.db"
@@ -286,7 +295,8 @@ def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases
     folder = Path(tempfile.mkdtemp(prefix="specops-load-"))
     servers = [start_server(spec, args.base_port + i, folder, args) for i, spec in enumerate(args.servers)]
     names = [server.drafter for server in servers]
-    report: dict[str, Any] = {"load_avg_start": os.getloadavg(), "results": {name: {} for name in names}}
+    report: dict[str, Any] = {"load_avg_start": os.getloadavg(), "results": {name: {} for name in names},
+                              "code": {name: code_version(args.checkout.get(name, REPO)) for name in names}}
     texts: dict[str, dict[int, list[str]]] = {name: {} for name in names}
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

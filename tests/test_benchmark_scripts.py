@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
 from benchmarks.batched_pass import lengths_of, pass_of
-from benchmarks.load_test import parse_args
+from benchmarks.load_test import code_version, parse_args
 from tests.conftest import tiny_llama
 
 
@@ -33,3 +35,22 @@ def test_a_checkout_names_a_server_and_a_folder_with_the_package(tmp_path):
     for wrong in (f"other={tmp_path}", f"old={tmp_path / 'specops'}", "old="):
         with pytest.raises(SystemExit):
             parse_args(["--servers", "old=--drafter none", "--checkout", wrong])
+
+
+def test_a_server_s_code_is_its_commit_and_whether_it_was_changed(tmp_path):
+    """What each round records per server: the checkout's commit, +changes once a tracked file differs
+    (benchmarks/results once held a run labelled with a commit whose server had run other code)."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *command], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert code_version(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    commit = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "new.json").write_text("{}")  # untracked results do not count
+    assert code_version(tmp_path) == commit
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert code_version(tmp_path) == f"{commit}+changes"

@@ -45,8 +45,8 @@ thread against 23 ms (28 ms once the loading thread's team was gone). Such work 
 
 Draft lengths under load (`draft_caps`, SmartSpec): the pass thread records what its batches take (the
 target's pass seconds against its sequences and their drafted rows apart, a draft model's against its
-rows, the wait for the sequences between batches against the rows they drafted, the draft passes per
-verified draft token), and a greedy or coupled sequence's draft is capped by the goodput those
+rows, the wait for the sequences between batches against the share of the batch before it that ran the
+target and the rows it verified, the draft passes per verified draft token), and a greedy or coupled sequence's draft is capped by the goodput those
 observations predict (specops.core.policies.step_seconds), not the start-up cost model's, which times
 transformers' forward on one sequence and the drafter alone: at 8 users a 16-row batched pass took
 ~35 ms and the drafts did not pay, which the start-up model could not see. A drafted row is priced apart
@@ -408,7 +408,8 @@ class PassBatcher:
                 self._last_batch = verified[0] / len(due), verified[1] / len(due)
                 self._count_drafts(due)
             end = time.monotonic()
-            self._batch_end = end if batched else None
+            # A failed batch's sequences leave with its error: the wait after it would be no one's work.
+            self._batch_end = end if batched and all(p.error is None for p in due) else None
             if batched:
                 self._pass_s = end - began
             for p in due:

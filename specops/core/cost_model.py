@@ -206,7 +206,7 @@ class StepCosts:
     draft_gap_s: float = 0.0
     thread_token_s: float = 0.0  # a drafted token's seconds on a generation thread (start-up model only: the
     # batcher's observed costs hold it in gap_row_s, whose prior it is)
-    gap_row_s: float = 0.0  # the wait between passes per sequence and drafted row: verifying it, drafting it
+    gap_row_s: float = 0.0  # the wait per row a sequence's target pass verified: checking it, drafting again
 
     @classmethod
     def from_startup(cls, cost: CostModel, batched_drafts: bool) -> StepCosts:

@@ -275,6 +275,18 @@ def test_drafting_on_the_threads_is_counted_once():
     assert seen.thread_token_s == 0.0 and seen.gap_row_s == pytest.approx(0.003, rel=0.05)  # the prior: 0.002
 
 
+def run_batch(batcher: PassBatcher, forward, caches: list[StaticLM], rows: int) -> list[_Pass]:
+    """One batch of `rows` rows per cache through `forward`, run by the batcher's own _execute (as its pass
+    thread would, holding the lock), a thread id per cache."""
+    due = [_Pass(Segment(torch.tensor([5] * rows), torch.arange(rows), lm.keys, lm.values, *lm.tables), forward,
+                 thread=thread) for thread, lm in enumerate(caches)]
+    with batcher._cond:
+        batcher._pending = list(due)
+        batcher._execute(due)
+    assert all(p.done for p in due)
+    return due
+
+
 def test_a_wait_is_charged_to_the_rows_drafted_in_the_batch_before_it():
     """Two sequences' target pass with 2 drafted rows each, then a batch of their draft passes, then their
     target pass again: the wait after the target pass is charged to a target pass and 2 verified rows a
@@ -284,23 +296,29 @@ def test_a_wait_is_charged_to_the_rows_drafted_in_the_batch_before_it():
                                                                                    dtype=torch.bfloat16)
     batcher = PassBatcher(model)
     draft_forward = batcher.forward_of(draft)
-    caches = {forward: [StaticLM(m, WIDTH, 128) for _ in range(2)]
-              for forward, m in ((batcher.forward, model), (draft_forward, draft))}
+    targets, drafts = [StaticLM(model, WIDTH, 128) for _ in range(2)], [StaticLM(draft, WIDTH, 128) for _ in range(2)]
     charged = []
     batcher.wait_fit.add = lambda share, rows, seconds: charged.append((share, rows))  # type: ignore[method-assign]
-
-    def batch(forward, rows: int) -> None:
-        due = [_Pass(Segment(torch.tensor([5] * rows), torch.arange(rows), lm.keys, lm.values, *lm.tables),
-                     forward, thread=thread) for thread, lm in enumerate(caches[forward])]
-        with batcher._cond:
-            batcher._pending = list(due)
-            batcher._execute(due)
-        assert all(p.done and p.error is None for p in due)
-
-    batch(batcher.forward, 3)
-    batch(draft_forward, 1)
-    batch(batcher.forward, 3)
+    run_batch(batcher, batcher.forward, targets, 3)
+    run_batch(batcher, draft_forward, drafts, 1)
+    run_batch(batcher, batcher.forward, targets, 3)
     assert charged == [(1.0, 2.0), (0.0, 0.0)]
+
+
+def test_no_wait_is_charged_after_a_failed_batch(monkeypatch):
+    """A batch whose pass raised hands its sequences the error; they leave, so the time until the next
+    batch is no one's work and is not charged (the mutant, which keeps the failed batch's end, charges it)."""
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN)
+    batcher = PassBatcher(model)
+    caches = [StaticLM(model, WIDTH, 128) for _ in range(2)]
+    charged = []
+    batcher.wait_fit.add = lambda share, rows, seconds: charged.append(rows)  # type: ignore[method-assign]
+    run_batch(batcher, batcher.forward, caches, 1)
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaForward, "forward_many", lambda *args, **kwargs: 1 / 0)
+        assert all(isinstance(p.error, ZeroDivisionError) for p in run_batch(batcher, batcher.forward, caches, 1))
+    run_batch(batcher, batcher.forward, caches, 1)
+    assert len(charged) == 1  # the wait before the failed batch only
 
 
 def test_draft_passes_are_counted_against_drafts_that_ran_the_draft_model():
