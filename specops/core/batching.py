@@ -46,13 +46,14 @@ thread against 23 ms (28 ms once the loading thread's team was gone). Such work 
 Draft lengths under load (`draft_caps`, SmartSpec): the pass thread records what its batches take (the
 target's pass seconds against its sequences and their drafted rows apart, a draft model's against its
 rows, the wait for the sequences between batches against the share of the batch before it that ran the
-target and the rows it verified, the draft passes per verified draft token), and a greedy or coupled sequence's draft is capped by the goodput those
-observations predict (specops.core.policies.step_seconds), not the start-up cost model's, which times
-transformers' forward on one sequence and the drafter alone: at 8 users a 16-row batched pass took
-~35 ms and the drafts did not pay, which the start-up model could not see. A drafted row is priced apart
-from a sequence (cost_model.PlaneFit) and the wait per drafted row is priced too: a line in rows fitted
-while nobody drafted priced a drafted row at a whole sequence's cost, and a constant wait hid what verifying
-and drafting on the sequences' threads add to it (docs/results.md, 2026-11-28). Both slopes lean on priors
+target and the rows it verified, the draft passes per verified draft token), and a greedy or coupled
+sequence's draft is capped by the goodput those observations predict (specops.core.policies.step_seconds),
+not the start-up cost model's, which times transformers' forward on one sequence and the drafter alone:
+at 8 users a 16-row batched pass took ~35 ms and the drafts did not pay, which the start-up model could
+not see. A drafted row is priced apart from a sequence (cost_model.PlaneFit) and the wait per drafted row
+is priced too: a line in rows fitted while nobody drafted priced a drafted row at a whole sequence's
+cost, and a constant wait hid what verifying and drafting on the sequences' threads add to it
+(docs/results.md, 2026-11-28). Both slopes lean on priors
 (the start-up model's row, a drafted token's seconds on a thread), so that once drafts stop, the slopes
 they showed decay back to their priors and drafts are tried again, instead of resting on old evidence.
 """

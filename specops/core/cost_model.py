@@ -113,10 +113,11 @@ class PlaneFit:
 
     A batcher fits two planes (specops.core.batching). A batched target pass: u its sequences, v its drafted
     rows (each sequence's rows past its last committed token). Two slopes, not a line in rows: a sequence
-    that joins the batch brings a row and attention over its own cache, a drafted row only a row. A line in rows fitted while nobody drafted (rows equal sequences, 12-16
-    sequences coming and going) priced a drafted row at a whole sequence's cost, 1.7-2.5 ms at 16 users
-    against 0.9-1.2 ms seen while they drafted (benchmarks/batched_serving.py, 2026-11-28), which kept the
-    drafts off, so the fit never saw a drafted row again. While drafted rows are few, their slope leans on a
+    that joins the batch brings a row and attention over its own cache, a drafted row only a row. A line
+    in rows fitted while nobody drafted (rows equal sequences, 12-16 sequences coming and going) priced a
+    drafted row at a whole sequence's cost, 1.7-2.5 ms at 16 users against 0.9-1.2 ms seen while they
+    drafted (benchmarks/batched_serving.py, 2026-11-28), which kept the drafts off, so the fit never saw a
+    drafted row again. While drafted rows are few, their slope leans on a
     prior (the start-up model's seconds per row, one sequence's passes of 1 to 40 rows) through a ridge of
     `prior_weight`; passes with drafts soon outweigh it, and once the drafts stop it returns to the prior as
     they decay, so drafts come back to be measured again.
@@ -124,8 +125,9 @@ class PlaneFit:
     The wait between two batches, per sequence: u the share of the batch before it that ran the target
     (its sequences then stream, stop-check and verify; after a draft pass they only take a draft token),
     v the rows per sequence it verified, which the sequences check (and then draft again: a suffix front's
-    walks). A line in v alone charged the per-step work done after every target pass to the drafted rows,
-    since only target passes verify any: at 16 users it held the draft LM off where it paid (2026-11-28)."""
+    walks). A line in v alone would charge any work done after every target pass to the drafted rows,
+    since only target passes verify any. (On the serving data of 2026-11-28 the u slope came out 0: the
+    sequences took as long after a draft pass as after a target pass, and the two fits priced alike.)"""
 
     decay: float = 0.98
     prior_weight: float = 10.0
