@@ -1,10 +1,15 @@
 """Where a batched target pass's time goes: `LlamaForward.forward_many` over sequences of given cache lengths
 and rows, the target in bf16 (as the server batches it), timed alone; optionally with torch's profiler.
 
-Each cache length attends in a call of its own per layer (specops.core.llama._AttentionPlan), so a pass over
-sequences of several lengths costs more than one over the same sequences at one length.
+The sequences attend in one call per layer, their caches padded to the longest (specops.core.llama.
+_AttentionPlan; one call per cache length where LlamaForward.pads_exactly fails), so a pass over sequences of
+several lengths costs what one over the longest does.
 
-    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5
+`--prefills` times a prompt's prefill (which a server runs alone on its pass thread) at those lengths, with
+the rate of its weight products in GFLOP/s beside that of one large bf16 product on the same threads: how
+close to what the cores do at best a prefill already runs.
+
+    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5 --prefills 128 256
 """
 
 from __future__ import annotations
@@ -54,6 +59,32 @@ def pass_of(model: torch.nn.Module, lengths: list[int], rows: int) -> Callable[[
     return run
 
 
+def prefill_of(model: torch.nn.Module, tokens: int) -> Callable[[], object]:
+    """A prompt of `tokens` tokens prefilled into a fresh cache (StaticLM.prefill), warmed up."""
+    lm = StaticLM(model, 5, tokens + EMPTY_SLOTS)
+    prompt = [10 + i % 50 for i in range(tokens)]
+
+    def run() -> object:
+        lm.length = 0  # the same slots again: a prefill writes them all
+        return lm.prefill(prompt)
+
+    run()
+    return run
+
+
+def product_flops(model: torch.nn.Module) -> int:
+    """FLOPs of the decoder's weight products per token (2 per weight; the LM head and attention left out)."""
+    return 2 * sum(p.numel() for name, p in model.named_parameters()
+                   if ".layers." in name and name.endswith("proj.weight"))
+
+
+def peak_gflops(repeats: int) -> float:
+    """One large bf16 product's rate: the cores' best on these threads (a 1024-row MLP up-projection)."""
+    x, w = torch.randn(1024, 576, dtype=torch.bfloat16), torch.randn(4 * 1536, 576, dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, w)
+    return 2 * x.shape[0] * w.numel() / median_seconds(lambda: torch.nn.functional.linear(x, w), repeats) / 1e9
+
+
 def median_seconds(run: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -68,6 +99,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["320", "320x8", "256,320,384,448x2"],
                         help="one pass's cache lengths: comma-separated, xN repeats the list")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 5], help="rows per sequence")
+    parser.add_argument("--prefills", nargs="*", type=int, default=[],
+                        help="prompt lengths whose prefill to time (none by default)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--profile", action="store_true", help="print torch's profile of the last case's passes")
@@ -85,6 +118,18 @@ def main() -> None:
                                 "median_ms": round(seconds * 1000, 2)})
                 print(f"{len(lengths)} sequences over {len(set(lengths))} cache lengths, {rows} rows each: "
                       f"{seconds * 1000:.2f} ms", flush=True)
+        prefills = []
+        if args.prefills:
+            flops, peak = product_flops(model), peak_gflops(args.repeats)
+            print(f"one large bf16 product: {peak:.0f} GFLOP/s")
+            for tokens in args.prefills:
+                seconds = median_seconds(prefill_of(model, tokens), args.repeats)
+                rate = flops * tokens / seconds / 1e9
+                prefills.append({"tokens": tokens, "median_ms": round(seconds * 1000, 2),
+                                 "tokens_per_s": round(tokens / seconds), "products_gflops": round(rate),
+                                 "share_of_large_product": round(rate / peak, 3)})
+                print(f"prefill of {tokens} tokens: {seconds * 1000:.1f} ms, {tokens / seconds:.0f} tokens/s, "
+                      f"products at {rate:.0f} GFLOP/s ({rate / peak:.0%} of the large product's)", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -98,7 +143,7 @@ def main() -> None:
                         for op in ops[:20]]
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "results": results,
-                                          "profile_of_last_case": profiled}, indent=2) + "\n")
+                                          "prefills": prefills, "profile_of_last_case": profiled}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -201,14 +201,24 @@ def observed_step_costs(url: str) -> dict[str, float | None]:
             re.findall(r'^specops_observed_step_costs\{field="(\w+)"\} (\S+)$', text, re.MULTILINE)}
 
 
+def pass_seconds(url: str) -> dict[str, float]:
+    """The seconds the server's pass thread has run passes so far, by kind (specops_pass_seconds: target,
+    draft, alone); {} for a server that does not batch."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {kind: float(value) for kind, value in
+            re.findall(r'^specops_pass_seconds_total\{kind="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+
+
 def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concurrency: int,
               max_tokens: int) -> tuple[dict[str, Any], list[Result]]:
     rows_before = rows_logged(server.db)
+    busy_before = pass_seconds(server.url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda i: one_request(server.url, prompts[i], max_tokens, stream=i % 2 == 0),
                                 range(len(prompts))))
     wall = time.perf_counter() - start
+    busy = {kind: round(seconds - busy_before.get(kind, 0.0), 3) for kind, seconds in pass_seconds(server.url).items()}
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     drafted = sum(r.drafted for r in ok)
@@ -223,6 +233,9 @@ def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concur
         "acceptance_rate": round(sum(r.accepted for r in ok) / drafted, 4) if drafted else None,
         "drafted_per_token": round(drafted / tokens, 4) if tokens else None,
         "observed_step_costs": observed_step_costs(server.url),
+        # Where the phase's wall time went on the pass thread; the rest it waited for the sequences' own work.
+        "pass_thread_s": busy,
+        "pass_thread_busy": round(sum(busy.values()) / wall, 3) if busy else None,
         "rows_logged": rows_logged(server.db) - rows_before,
         "error_samples": sorted({r.error for r in results if r.error})[:3],
         "server_5xx": sum(1 for r in results if r.error and "Error code: 5" in r.error),
@@ -314,7 +327,8 @@ def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases
                 texts[server.drafter][concurrency] = [r.text for r in results]
                 print(f"{server.drafter:>14} c={concurrency:<3}: {summary['throughput_tok_s']:7.2f} tok/s, "
                       f"p50 {summary['latency_p50_s']} s, p99 {summary['latency_p99_s']} s, "
-                      f"TTFT p99 {summary['ttft_p99_s']} s, errors {summary['errors']}, rows {summary['rows_logged']}",
+                      f"TTFT p99 {summary['ttft_p99_s']} s, errors {summary['errors']}, rows {summary['rows_logged']}, "
+                      f"pass thread busy {summary['pass_thread_busy']} {summary['pass_thread_s']}",
                       flush=True)
         sampler.stop.set()
         report["memory"] = {

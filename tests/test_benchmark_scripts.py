@@ -1,4 +1,4 @@
-"""The measuring scripts' own logic: benchmarks/batched_pass.py's cases and passes, and load_test.py's
+"""The measuring scripts' own logic: benchmarks/batched_pass.py's cases, passes and prefills, and load_test.py's
 --checkout (a server run from another checkout's code)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from benchmarks.batched_pass import lengths_of, pass_of
+from benchmarks.batched_pass import lengths_of, pass_of, prefill_of, product_flops
 from benchmarks.load_test import code_version, parse_args
 from tests.conftest import tiny_llama
 
@@ -26,6 +26,18 @@ def test_a_pass_runs_every_sequence_s_rows():
     with torch.inference_mode():
         results = run()
     assert [logits.shape[0] for logits, _ in results] == [3, 3, 3]
+
+
+def test_a_prefill_is_timed_on_the_same_slots_and_its_products_counted():
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
+    run = prefill_of(model, 70)
+    with torch.inference_mode():
+        first, again = run(), run()
+    assert first.shape[0] == 70 and torch.equal(first, again)  # each run prefills the prompt from slot 0
+    config = model.config
+    kv = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    per_layer = 2 * config.hidden_size ** 2 + 2 * kv * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
+    assert product_flops(model) == 2 * config.num_hidden_layers * per_layer
 
 
 def test_a_checkout_names_a_server_and_a_folder_with_the_package(tmp_path):

@@ -3,11 +3,13 @@
 Each generation runs its own loop on its own thread (drafting, verification rules, its own KV cache)
 and hands its target passes to a `PassBatcher`. The batcher's pass thread collects the passes that
 arrive together and runs them as one `LlamaForward.forward_many`: the matrix products read the
-weights once for every sequence's rows, and sequences whose caches have the same length attend in one
-call. Requests join and leave between passes; each sequence keeps its own positions and cache length
-and brings only its real rows (the last committed token and its draft), so no sequence is padded to
-another's length or width (EMS-SD, arXiv 2405.07542: its point is batching requests that accept
-different numbers of tokens without padding tokens; see specops.core.kv.StaticLM.forward).
+weights once for every sequence's rows, and the sequences attend in one call, their caches padded to
+the longest on each side of 1024 slots (where that changes no row: LlamaForward.pads_exactly; else one
+call per cache length). Requests join and leave between passes; each sequence keeps its own positions
+and cache length and brings only its real rows (the last committed token and its draft), so no
+sequence's rows are padded to another's count (EMS-SD, arXiv 2405.07542: its point is batching
+requests that accept different numbers of tokens without padding tokens; see
+specops.core.kv.StaticLM.forward).
 
 Exactness: a row's logits are bitwise the same alone or in any batch when neither the products nor
 attention change a row with the pass's shape. bf16 `F.linear` agreed over 2 to 96 rows for every
@@ -147,16 +149,19 @@ class PassBatcher:
     """Batches the passes of the sequences registered with it on one pass thread (one batcher per target)."""
 
     def __init__(self, model: PreTrainedModel, window_s: float = DEFAULT_WINDOW_S,
-                 on_batch: Callable[[int], None] | None = None, cost: CostModel | None = None,
+                 on_pass: Callable[[str, int, float], None] | None = None, cost: CostModel | None = None,
                  threads: int | None = None) -> None:
-        """`cost` (the target's pass times by rows, the drafter's per token, measured at start-up) lets each
-        sequence shrink its draft as the batch grows (`draft_caps`) until the passes run here tell better;
-        without it drafts keep their policy's length. `threads`: the pass thread's intra-op threads (default:
-        every core)."""
+        """`on_pass(kind, sequences, seconds)` hears of every pass the pass thread ran (metrics): kind
+        "target" or "draft" (a batched pass of the target or of a draft LM, over that many sequences),
+        "target_alone" or "draft_alone" (a prompt's prefill or a draft's catch-up, run alone: `call` with its
+        model's forward), or "other" (other work run alone, such as timing the target at start-up). `cost` (the target's pass times by rows,
+        the drafter's per token, measured at start-up) lets each sequence shrink its draft as the batch grows
+        (`draft_caps`) until the passes run here tell better; without it drafts keep their policy's length.
+        `threads`: the pass thread's intra-op threads (default: every core)."""
         self.forward = _invariant_forward(model)  # the target's eager forward, which its sequences' StaticLMs run
         self.batched_drafts = False  # whether a draft model's passes are batched here too (forward_of)
         self.window_s = window_s
-        self.on_batch = on_batch  # called with each batch's size (metrics)
+        self.on_pass = on_pass
         self.cost = cost
         self.cores = os.cpu_count() or 1
         self.threads = threads or self.cores
@@ -285,9 +290,10 @@ class PassBatcher:
         `forward` (default: the target's), computed in a batch with whatever other passes are waiting."""
         return self._submit(_Pass(segment, forward or self.forward, head))
 
-    def call(self, work: Callable[[], Any]) -> Any:
-        """`work()` run alone on the pass thread, between batches (a prompt's prefill, timing the target)."""
-        return self._submit(_Pass(work))
+    def call(self, work: Callable[[], Any], forward: LlamaForward | None = None) -> Any:
+        """`work()` run alone on the pass thread, between batches: a pass of `forward` (a prompt's prefill, a
+        draft's catch-up), or other work (timing the target)."""
+        return self._submit(_Pass(work, forward))
 
     def _submit(self, mine: _Pass) -> Any:
         with self._cond:
@@ -352,6 +358,11 @@ class PassBatcher:
             return alone[:1], 0.0
         return [], wait
 
+    def _alone_kind(self, forward: LlamaForward | None) -> str:
+        if forward is None:
+            return "other"
+        return "target_alone" if forward is self.forward else "draft_alone"
+
     def _count_drafts(self, due: list[_Pass]) -> None:
         """Each sequence's draft passes since its last target pass, against the tokens that target pass
         verifies (its rows but the last committed token's), for drafts that ran a draft model (free drafts
@@ -383,16 +394,20 @@ class PassBatcher:
                     for members in groups.values():
                         forward = members[0].forward
                         assert forward is not None
-                        if self.on_batch is not None and forward is self.forward:
-                            self.on_batch(len(members))
+                        if len(members) > 1:  # checked once per model, on this thread and outside the timed pass
+                            forward.pads_exactly  # noqa: B018
                         start = time.monotonic()
                         results = forward.forward_many([p.work for p in members], members[0].head)  # type: ignore[misc]
                         rows = sum(p.work.ids.shape[0] for p in members)  # type: ignore[union-attr]
                         timed.append((forward is self.forward, len(members), rows, time.monotonic() - start))
                         for p, result in zip(members, results, strict=True):
                             p.result = result
+                        if self.on_pass is not None:
+                            self.on_pass("target" if forward is self.forward else "draft", len(members), timed[-1][3])
                 else:
                     due[0].result = due[0].work()  # type: ignore[operator]
+                    if self.on_pass is not None:
+                        self.on_pass(self._alone_kind(due[0].forward), 1, time.monotonic() - began)
         except BaseException as error:  # every waiting sequence gets it, not only one
             for p in due:
                 p.error = error

@@ -272,7 +272,7 @@ class StaticLM:
         def run() -> torch.Tensor:
             return self.eager.prefill(*segment.args())
 
-        layers = run() if self.batcher is None else self.batcher.call(run)
+        layers = run() if self.batcher is None else self.batcher.call(run, self.eager)
         self._advance(token_ids, layers)
         return layers
 

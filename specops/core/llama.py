@@ -42,6 +42,13 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # passes); more (a prompt's prefill) through SDPA. Plain and speculative decoding share the prefill; a static
 # width above this would put verification passes on SDPA too (static_width is far below it in practice).
 MATH_ROWS = 64
+# Caches pad to the longest of a batched pass only on one side of this many slots: in bf16 on this CPU an
+# attention row changed when its cache was padded from 1024 slots or fewer to 1088 or more (oneDNN blocks
+# the weights x values sum at 1024) and on neither side alone (672 random cases, docs/results.md).
+PAD_LIMIT = 1024
+# (cache length, padded length, rows, caches) of LlamaForward.pads_exactly's check, on each side of PAD_LIMIT
+# and up to it: decoding and verification rows at the cache's last slots, which see the most keys.
+PAD_CHECKS = ((128, 192, 1, 1), (192, 448, 5, 3), (320, 1024, 3, 8), (1088, 2048, 5, 2))
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -202,9 +209,10 @@ class LlamaForward(nn.Module):
 
     def forward_many(self, segments: list[Segment], head: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over several sequences, each with its own cache: the products run over all their rows
-        at once (the weights are read once), attention per group of sequences with caches of one length. A row's
-        result does not depend on the other segments as long as the products are batch-invariant over
-        the row count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching).
+        at once (the weights are read once), attention in one call over their caches padded to the longest
+        on each side of PAD_LIMIT (LlamaForward.pads_exactly; else one call per cache length). A row's result
+        does not depend on the other segments as long as the products are batch-invariant over the row
+        count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching).
         Per segment: its logits, or without `head` the final norm's output (a draft applies its own head),
         and every layer's output."""
         sizes = [segment.ids.shape[0] for segment in segments]
@@ -272,8 +280,8 @@ class LlamaForward(nn.Module):
         return linear(x, self.head, self.packed_head) if self._packs() else F.linear(x, self.head)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """transformers' eager Llama attention over a batch of sequences with caches of one length:
-        q [B, heads, W, D], keys and values [B, kv_heads, L, D], visible [B, 1, W, L] -> [B, heads, W, D].
+        """transformers' eager Llama attention over a batch of sequences with caches of one length (or padded
+        to one: pads_exactly): q [B, heads, W, D], keys and values [B, kv_heads, L, D], visible [B, 1, W, L] -> [B, heads, W, D].
 
         The products in the model dtype, the softmax in float32, as transformers computes them (it repeats
         the key heads and adds a mask; here query heads are folded into rows and masked keys set to -inf,
@@ -289,9 +297,36 @@ class LlamaForward(nn.Module):
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights.view(b, self.kv_heads, groups * w, -1), values).view(b, self.heads, w, d)
 
+    @functools.cached_property
+    def pads_exactly(self) -> bool:
+        """Whether `attention` gives a cache's rows bitwise alike over the cache alone and over the cache padded
+        with slots no row sees, so sequences whose caches differ in length can attend in one call (padded to
+        the longest) without a row depending on the others' lengths. On this CPU the masked slots' weights
+        are exact zeros that leave the float32 softmax sums and oneDNN's bf16 products unchanged (measured
+        for SmolLM2's head shapes on either side of PAD_LIMIT, 1-8 rows, 1-8 caches, 1 and 2 threads). A
+        measured property of these kernels, not a guarantee, so it is checked once per model on its head
+        shapes (as packed_linear.pack checks each weight), and caches keep one call per length where it fails.
+        Never across PAD_LIMIT, where it does fail."""
+        generator = torch.Generator().manual_seed(0)
+
+        def draw(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(self.dtype)
+
+        for length, padded, rows, batch in PAD_CHECKS:
+            q = draw(batch, self.heads, rows, self.head_dim)
+            keys, values = draw(batch, self.kv_heads, length, self.head_dim), draw(batch, self.kv_heads, length, self.head_dim)
+            pos = torch.arange(length - rows, length)
+            alone = self.attention(q, keys, values, self.visibility(pos, length).expand(batch, 1, rows, length))
+            tail = (batch, self.kv_heads, padded - length, self.head_dim)
+            together = self.attention(q, torch.cat([keys, draw(*tail)], 2), torch.cat([values, draw(*tail)], 2),
+                                      self.visibility(pos, padded).expand(batch, 1, rows, padded))
+            if not torch.equal(alone, together):
+                return False
+        return True
+
 
 class _Group(NamedTuple):
-    """Sequences whose caches have one length, attending in one call; or one tree's branches."""
+    """Sequences attending in one call (their caches padded to the longest); or one tree's branches."""
 
     members: list[int]  # their indices among the pass's segments (a tree: its one segment)
     batch: int  # caches attended in (members, or a tree's branches)
@@ -303,9 +338,10 @@ class _Group(NamedTuple):
 
 
 class _AttentionPlan:
-    """How one pass attends: sequences whose caches have the same length attend in one batched call
-    (LlamaForward.attention, their queries padded to the group's widest), a tree's rows in its branch
-    caches in one call of their own (Segment.branches), a long segment (a prefill) alone through SDPA,
+    """How one pass attends: the sequences in one batched call on each side of PAD_LIMIT
+    (LlamaForward.attention, their queries padded to the widest and their caches to the longest; one call
+    per cache length where padding would change a row, LlamaForward.pads_exactly), a tree's rows in its
+    branch caches in one call of their own (Segment.branches), a long segment (a prefill) alone through SDPA,
     whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence, is what
     batching needs: SDPA's fixed cost (~60-90 us on this CPU) per sequence and layer was most of
     a batched pass's time beyond the products."""
@@ -316,8 +352,7 @@ class _AttentionPlan:
         self.n = n
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
         self.rows = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
-        self.flash = [j for j, size in enumerate(sizes) if size > MATH_ROWS]
-        self.masks = {j: forward.visibility(segments[j].pos, segments[j].keys[0].shape[1]) for j in self.flash}
+        self.flash = {j: self._flash(segments[j]) for j, size in enumerate(sizes) if size > MATH_ROWS}
         self.groups: list[_Group] = []
         self.writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a tree's (branch, slot, pass row)
         groups: dict[int, list[int]] = {}
@@ -331,15 +366,34 @@ class _AttentionPlan:
             elif size <= MATH_ROWS:
                 # One segment (every compiled pass) is one group without reading its cache length: a length
                 # used as a key would specialise a compiled graph on it and recompile for every other length.
-                key = segments[j].keys[0].shape[1] if len(segments) > 1 else 0
-                groups.setdefault(key, []).append(j)
+                # Several attend in one call padded to the longest cache, on each side of PAD_LIMIT, where that
+                # changes no row (pads_exactly): a call per length cost 3-4 ms a pass per extra length
+                # (benchmarks/batched_pass.py).
+                groups.setdefault(self._key(segments[j].keys[0].shape[1]) if len(segments) > 1 else 0, []).append(j)
         for members in groups.values():
-            length = segments[members[0]].keys[0].shape[1]
+            length = max(segments[j].keys[0].shape[1] for j in members)
             rows = [list(range(starts[j], starts[j] + sizes[j])) for j in members]
             self.groups.append(self._group_of(members, len(members), rows, [segments[j].pos for j in members], length))
         # The common case needs no gather or scatter: one group, every member `width` rows, no padding rows.
         self.uniform = (not self.flash and not self.writes and len(self.groups) == 1 and sum(sizes) == n
                         and all(size == self.groups[0].width for size in sizes))
+
+    def _key(self, length: int) -> int:
+        """The attention call of a cache of `length` slots in a pass of several segments."""
+        return int(length > PAD_LIMIT) if self.forward.pads_exactly else length
+
+    def _flash(self, segment: Segment) -> tuple[int, torch.Tensor | None]:
+        """A long segment's keys: the cache slots up to its last row's position, and its visibility over them,
+        None for a prompt's first pass (rows at slots 0..n-1), which SDPA's causal kernel takes without a
+        mask and skips the blocks a row cannot see: over the whole cache with a mask, the flash kernel
+        spent 28% of a 192-token prefill on blocks of slots no row saw. A compiled pass (a static width
+        above MATH_ROWS) keeps the whole cache: reading positions would specialise its graph on them."""
+        pos, length = segment.pos, segment.keys[0].shape[1]
+        if torch.compiler.is_compiling():
+            return length, self.forward.visibility(pos, length)
+        end = int(pos.max()) + 1
+        causal = end == len(pos) and torch.equal(pos, torch.arange(end))
+        return end, None if causal else self.forward.visibility(pos, end)
 
     def _group_of(self, members: list[int], batch: int, rows: list[list[int]], positions: list[torch.Tensor],
                   length: int) -> _Group:
@@ -376,11 +430,11 @@ class _AttentionPlan:
             queries = q[:, group.take].view(fw.heads, group.batch, group.width, fw.head_dim).transpose(0, 1)
             result = self._group(queries, group, layer)
             att[:, group.out] = result.transpose(0, 1).reshape(fw.heads, -1, fw.head_dim)[:, group.keep]
-        for j in self.flash:
+        for j, (end, mask) in self.flash.items():
             segment, rows = self.segments[j], self.rows[j]
-            att[:, rows] = F.scaled_dot_product_attention(q[None, :, rows], segment.keys[layer][None],
-                                                          segment.values[layer][None], attn_mask=self.masks[j],
-                                                          enable_gqa=True)[0]
+            att[:, rows] = F.scaled_dot_product_attention(
+                q[None, :, rows], segment.keys[layer][None, :, :end], segment.values[layer][None, :, :end],
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True)[0]
         return att
 
     def _group(self, queries: torch.Tensor, group: _Group, layer: int) -> torch.Tensor:
@@ -390,9 +444,21 @@ class _AttentionPlan:
         elif len(segments) == 1:
             keys, values = segments[0].keys[layer][None], segments[0].values[layer][None]
         else:
-            keys = torch.stack([s.keys[layer] for s in segments])
-            values = torch.stack([s.values[layer] for s in segments])
+            keys = _padded_stack([s.keys[layer] for s in segments], group.visible.shape[-1])
+            values = _padded_stack([s.values[layer] for s in segments], group.visible.shape[-1])
         return self.forward.attention(queries, keys, values, group.visible)
+
+
+def _padded_stack(caches: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Caches [kv_heads, L_i, D] stacked [n, kv_heads, length, D], each padded after its slots with zeros,
+    which no row sees (its visibility ends at its own slots) and whose zero values keep the masked weights'
+    products 0."""
+    if all(cache.shape[1] == length for cache in caches):
+        return torch.stack(caches)
+    out = caches[0].new_zeros(len(caches), caches[0].shape[0], length, caches[0].shape[2])
+    for i, cache in enumerate(caches):
+        out[i, :, : cache.shape[1]] = cache
+    return out
 
 
 _FORWARDS: weakref.WeakKeyDictionary[PreTrainedModel, dict] = weakref.WeakKeyDictionary()

@@ -37,7 +37,8 @@ def static_cache_length(prompt_tokens: int, max_new_tokens: int, width: int) -> 
     pass attends over keys of the same shape; so do runtimes of any width up to WIDTH_ROOM, since the
     length over which attention sums changes a row's rounding: plain decoding at width 1 and at width 5
     answered 3 of 64 HumanEval requests differently on SmolLM2 in bf16 when the length followed the width,
-    each time one whose two lengths fell in different 64-slot buckets (2026-11-27)."""
+    each time one whose two lengths fell in different 64-slot buckets (2026-11-27; a prompt's prefill then
+    attended over the whole cache, masked, and since 2026-11-28 reads only the slots up to its last row)."""
     need = prompt_tokens + max_new_tokens + max(width, WIDTH_ROOM)
     return -(-need // STATIC_BUCKET) * STATIC_BUCKET
 

@@ -61,6 +61,12 @@ class ServerMetrics:
         self.active = Gauge("specops_active_generations", "Generations decoding now.", registry=r)
         self.batch_size = Histogram("specops_batch_size", "Sequences in each batched target pass.",
                                     buckets=BATCH_BUCKETS, registry=r)
+        self.pass_seconds = Counter("specops_pass_seconds", "Seconds the batcher's pass thread spent running "
+                                    "passes, by kind: target and draft (batched passes of the target and of a draft "
+                                    "LM), target_alone and draft_alone (run alone: prompt prefills, a draft LM's "
+                                    "catch-ups), other (work run alone at start-up: timing the target). Against wall "
+                                    "time, what is left is the pass thread waiting for the sequences' own work.",
+                                    ["kind"], registry=r)
         self.inter_token = Histogram("specops_inter_token_latency_seconds", "Time between a request's successive "
                                      "steps, over the tokens each step emitted.", buckets=ITL_BUCKETS, registry=r)
         self.request_rate = Histogram("specops_request_tokens_per_second", "Generated tokens per second of each "
@@ -95,6 +101,12 @@ class ServerMetrics:
         self.resident = Gauge("specops_resident_memory_bytes", "The server process's resident memory (VmRSS).",
                               registry=self.registry)
         self.resident.set_function(resident_bytes)
+
+    def observe_pass(self, kind: str, sequences: int, seconds: float) -> None:
+        """One pass of the serving batcher (specops.core.batching.PassBatcher's on_pass)."""
+        if kind == "target":
+            self.batch_size.observe(sequences)
+        self.pass_seconds.labels(kind=kind).inc(seconds)
 
     def watch_step_costs(self, observed: Callable[[], dict[str, float]]) -> None:
         """Read the serving batcher's observed costs (specops.core.batching.PassBatcher.observed) at each scrape."""

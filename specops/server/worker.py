@@ -216,7 +216,7 @@ class GenerationWorker:
             # the batcher has timed enough of its own passes (PassBatcher.step_costs).
             sizes = tuple(sorted({1, 2, 4, 8, 16, self._slots * model.generator.config.static_width}))
             batcher = PassBatcher(model.target.model, self._window_s,
-                                  on_batch=self._metrics.batch_size.observe, threads=self._cores)
+                                  on_pass=self._metrics.observe_pass, threads=self._cores)
             drafter = model.generator.fork(None).drafter
             # Timed on the pass thread, where the passes will run (the drafter too, on all cores there,
             # while serving drafts on one: under load its steps take longer than this says).

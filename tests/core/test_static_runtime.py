@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specops.core.kv import CachedLM, StaticLM
-from specops.core.llama import LlamaForward, UnsupportedModelError, llama_forward
-from specops.core.loop import SpeculativeGenerator
+from specops.core.llama import LlamaForward, UnsupportedModelError, _AttentionPlan, llama_forward
+from specops.core.loop import SpeculativeGenerator, prefill
 from specops.core.target import target_from_model
 from specops.core.types import SamplingParams, static_cache_length
 from specops.core.verify import VERIFIERS
@@ -88,6 +88,43 @@ def test_the_lean_forward_is_transformers_llama():
     assert torch.allclose(logits, ref.logits[0, -4:], atol=1e-5)
     assert torch.allclose(lm.features, torch.stack([ref.hidden_states[1][0, -4:], ref.hidden_states[2][0, -4:]], 1),
                           atol=1e-5)
+
+
+LONG = [10 + i % 80 for i in range(200)]  # a prompt whose passes are longer than MATH_ROWS: SDPA's flash kernel
+
+
+def long_prefill_matches_transformers(chunk: int) -> bool:
+    """A 196-token prompt prefilled in one pass (SDPA's causal kernel) or in chunks of `chunk` (the second
+    through SDPA with a mask over the slots up to its last row, the third through the math path), then 4
+    tokens: transformers' logits and layer outputs, up to rounding?"""
+    model = tiny_llama(0, hidden=64, layers=3, max_positions=512)
+    with torch.inference_mode():
+        ref = model(torch.tensor([LONG]), output_hidden_states=True)
+        lm = StaticLM(model, WIDTH, 320, hidden_layers=[0, 1])
+        prefill(lm, LONG[:-4], chunk)
+        features = lm.features
+        logits = lm.forward(LONG[-4:])
+    expected = torch.stack([ref.hidden_states[1][0, :-4], ref.hidden_states[2][0, :-4]], 1)
+    return torch.allclose(logits, ref.logits[0, -4:], atol=1e-5) and torch.allclose(features, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 80])
+def test_a_long_prefill_is_transformers_llama(chunk):
+    assert long_prefill_matches_transformers(chunk)
+
+
+@pytest.mark.parametrize("mutant", ["no mask", "causal from the first key"])
+def test_a_long_prefill_that_sees_too_much_differs(monkeypatch, mutant):
+    """Mutants of the flash segments' visibility: no mask at all (every row sees every slot up to the last
+    row), and SDPA's causal kernel for a chunk that does not start at slot 0 (its rows would see only the
+    first slots, aligned to the top left)."""
+    def flash(self, segment):
+        pos = segment.pos
+        end = int(pos[-1]) + 1
+        return end, torch.ones(len(pos), end, dtype=torch.bool) if mutant == "no mask" else None
+
+    monkeypatch.setattr(_AttentionPlan, "_flash", flash)
+    assert not long_prefill_matches_transformers(80)
 
 
 def test_weights_changed_in_place_are_picked_up():
