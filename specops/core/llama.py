@@ -48,7 +48,7 @@ MATH_ROWS = 64
 PAD_LIMIT = 1024
 # (cache length, padded length, rows, caches) of LlamaForward.pads_exactly's check, on each side of PAD_LIMIT
 # and up to it: decoding and verification rows at the cache's last slots, which see the most keys.
-PAD_CHECKS = ((128, 192, 1, 1), (192, 448, 5, 3), (320, 1024, 3, 8), (1088, 2048, 5, 2))
+PAD_CHECKS = ((128, 192, 1, 1), (192, 448, 5, 3), (320, 1024, 3, 8), (1088, 2048, 5, 2), (2112, 8192, 1, 1))
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 

@@ -112,8 +112,9 @@ def padding_changes_rows(length: int, padded: int, trials: int = 12) -> bool:
 def test_padding_a_cache_across_1024_slots_changes_rows_and_on_either_side_does_not():
     """Why PAD_LIMIT: on this CPU oneDNN blocks the weights x values sum at 1024 slots, so a cache padded
     from 1024 or fewer to more rounds now and then differently; padded within a side, never here."""
-    assert padding_changes_rows(1024, 1088)
     assert not padding_changes_rows(448, 1024) and not padding_changes_rows(1088, 2048)
+    if not padding_changes_rows(1024, 1088):  # a fact of this CPU's oneDNN kernels, which another may not share
+        pytest.skip("Padding across 1024 slots changes no row on this CPU.")
 
 
 def test_caches_padded_with_anything_but_zeros_differ(monkeypatch):
@@ -196,6 +197,14 @@ CASES = [("greedy", SamplingParams()), ("coupled", SamplingParams(0.9, 0.95)), (
 def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch, attention):
     if attention == "per cache length":  # as on a CPU where padding would change a row
         monkeypatch.setattr(LlamaForward, "pads_exactly", False)
+    stacked = llama._padded_stack
+    mixed: list[bool] = []  # per stacked call: did it pad caches of several lengths?
+
+    def counting(caches: list[torch.Tensor], length: int) -> torch.Tensor:
+        mixed.append(len({cache.shape[1] for cache in caches}) > 1)
+        return stacked(caches, length)
+
+    monkeypatch.setattr(llama, "_padded_stack", counting)
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
     assert llama_forward(target.model)[0].pads_exactly == (attention == "padded")
     draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)  # wide enough to batch its passes too
@@ -232,6 +241,7 @@ def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch, attention
     assert all(seconds > 0 for _, _, seconds in passes)
     assert together == alone
     assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
+    assert any(mixed) == (attention == "padded")  # passes really attended over caches of both lengths in one call
 
 
 @contextlib.contextmanager
