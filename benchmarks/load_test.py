@@ -201,6 +201,9 @@ def observed_step_costs(url: str) -> dict[str, float | None]:
             re.findall(r'^specops_observed_step_costs\{field="(\w+)"\} (\S+)$', text, re.MULTILINE)}
 
 
+PASS_KINDS = ("target", "draft", "target_alone", "draft_alone", "other")  # specops_pass_seconds' kinds
+
+
 def pass_seconds(url: str) -> dict[str, float]:
     """The seconds the server's pass thread has run passes so far, by kind (specops_pass_seconds: target,
     draft, alone); {} for a server that does not batch."""
@@ -285,7 +288,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    busy = [(name, level, phases[level]) for name, phases in report["results"].items()
+            for level in sorted(phases, key=int) if phases[level].get("pass_thread_s")]
+    fig, axes = plt.subplots(1, 3 if busy else 2, figsize=(17 if busy else 11, 4))
+    left, right = axes[0], axes[1]
     for name, phases in report["results"].items():
         levels = sorted(phases, key=int)
         x = [int(c) for c in levels]
@@ -295,9 +301,20 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.set(xlabel="concurrent clients", ylabel="generated tokens / s", title="Throughput", xscale="log", xticks=[])
     right.set(xlabel="concurrent clients", ylabel="seconds", title="Request latency", xscale="log")
     for ax in (left, right):
+        ax.minorticks_off()  # a log axis labels its minor ticks 2x10^0, ...
         ax.set_xticks(report["config"]["concurrency"], [str(c) for c in report["config"]["concurrency"]])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    if busy:  # where the pass thread's time went, as a share of each phase's wall time
+        bottom = [0.0] * len(busy)
+        seen = {kind for _, _, phase in busy for kind in phase["pass_thread_s"]}
+        for kind in [k for k in PASS_KINDS if k in seen] + sorted(seen - set(PASS_KINDS)):  # and older runs' kinds
+            shares = [100 * (phase["pass_thread_s"].get(kind) or 0.0) / phase["wall_s"] for _, _, phase in busy]
+            axes[2].bar(range(len(busy)), shares, bottom=bottom, label=kind)
+            bottom = [b + share for b, share in zip(bottom, shares, strict=True)]
+        axes[2].set_xticks(range(len(busy)), [f"{name}\nc={level}" for name, level, _ in busy], fontsize=7)
+        axes[2].set(ylabel="% of the phase's wall time", ylim=(0, 100), title="Pass thread busy, by kind")
+        axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -363,9 +380,15 @@ def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases
 SUMMED = ("requests", "errors", "completion_tokens", "rows_logged", "server_5xx")  # over rounds; other numbers: medians
 
 
+def median_of(values: list[Any]) -> float | None:
+    numbers = [v for v in values if v is not None]
+    return round(statistics.median(numbers), 4) if numbers else None
+
+
 def combine(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per server and concurrency: counts summed over the rounds, other numbers their median, and every
-    round's throughput (a shared machine moves a round by tens of percent; the median resists one bad round)."""
+    """Per server and concurrency: counts summed over the rounds, other numbers their median (per key, in a
+    dict of numbers such as the pass thread's seconds by kind), and every round's throughput (a shared
+    machine moves a round by tens of percent; the median resists one bad round)."""
     combined: dict[str, dict[str, dict[str, Any]]] = {}
     for name, levels in rounds[0]["results"].items():
         combined[name] = {}
@@ -377,8 +400,10 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
                 if field in SUMMED:
                     summary[field] = sum(values)
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    numbers = [v for v in values if v is not None]
-                    summary[field] = round(statistics.median(numbers), 4) if numbers else None
+                    summary[field] = median_of(values)
+                elif isinstance(value, dict):
+                    keys = sorted({key for v in values for key in v})
+                    summary[field] = {key: median_of([v.get(key) for v in values]) for key in keys}
                 elif field == "error_samples":
                     summary[field] = sorted({e for phase in phases for e in phase[field]})[:3]
             summary["throughput_tok_s_rounds"] = [phase["throughput_tok_s"] for phase in phases]

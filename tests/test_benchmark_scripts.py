@@ -1,4 +1,5 @@
 """The measuring scripts' own logic: benchmarks/batched_pass.py's cases, passes and prefills, and load_test.py's
+rounds, plot and
 --checkout (a server run from another checkout's code)."""
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ import subprocess
 
 import pytest
 import torch
+from PIL import Image
 
 from benchmarks.batched_pass import lengths_of, pass_of, prefill_of, product_flops
-from benchmarks.load_test import code_version, parse_args
+from benchmarks.load_test import code_version, combine, parse_args, plot
 from tests.conftest import tiny_llama
 
 
@@ -66,3 +68,24 @@ def test_a_server_s_code_is_its_commit_and_whether_it_was_changed(tmp_path):
     assert code_version(tmp_path) == commit
     (tmp_path / "code.py").write_text("x = 2\n")
     assert code_version(tmp_path) == f"{commit}+changes"
+
+
+def test_rounds_combine_per_key_and_the_plot_shows_where_the_pass_thread_went(tmp_path):
+    """Counts summed, numbers and each kind's pass-thread seconds their median over the rounds; the plot gets
+    a third panel (the pass thread's time by kind) only where a server reported it."""
+    def phase(tok_s: float, busy: dict[str, float]) -> dict:
+        return {"requests": 32, "errors": 0, "wall_s": 10.0, "throughput_tok_s": tok_s, "latency_p50_s": 1.0,
+                "latency_p99_s": 2.0, "pass_thread_s": busy, "error_samples": []}
+
+    busy = [{"target": 6.0, "target_alone": 3.0}, {"target": 8.0, "target_alone": 2.0, "draft": 1.0},
+            {"target": 7.0, "target_alone": 4.0}]
+    rounds = [{"results": {"batched": {"1": phase(tok_s, kinds)}, "serial": {"1": phase(tok_s, {})}}}
+              for tok_s, kinds in zip((100.0, 80.0, 90.0), busy, strict=True)]
+    combined = combine(rounds)
+    assert combined["batched"]["1"]["pass_thread_s"] == {"draft": 1.0, "target": 7.0, "target_alone": 3.0}
+    assert combined["batched"]["1"]["throughput_tok_s"] == 90.0 and combined["batched"]["1"]["requests"] == 96
+    widths = {}
+    for name, results in (("with", combined), ("without", {"serial": combined["serial"]})):
+        plot({"config": {"concurrency": [1]}, "results": results}, tmp_path / f"{name}.png")
+        widths[name] = Image.open(tmp_path / f"{name}.png").size[0]
+    assert widths["with"] > 1.4 * widths["without"]
