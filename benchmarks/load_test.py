@@ -193,10 +193,14 @@ def rows_logged(db: Path) -> int:
         return conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
 
 
-def observed_step_costs(url: str) -> dict[str, float | None]:
+def scrape(url: str) -> str:
+    """The server's /metrics, in Prometheus text."""
+    return httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def observed_step_costs(text: str) -> dict[str, float | None]:
     """What the server's batcher has observed of its passes (specops_observed_step_costs, the draft length
-    policy's step-time model under load); {} for a server that does not batch."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    policy's step-time model under load), from its /metrics text; {} for a server that does not batch."""
     return {name: None if value == "NaN" else float(value) for name, value in  # NaN: not observed yet
             re.findall(r'^specops_observed_step_costs\{field="(\w+)"\} (\S+)$', text, re.MULTILINE)}
 
@@ -204,10 +208,9 @@ def observed_step_costs(url: str) -> dict[str, float | None]:
 PASS_KINDS = ("target", "draft", "target_alone", "draft_alone", "other")  # specops_pass_seconds' kinds
 
 
-def pass_seconds(url: str) -> dict[str, float]:
-    """The seconds the server's pass thread has run passes so far, by kind (specops_pass_seconds: target,
-    draft, alone); {} for a server that does not batch."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+def pass_seconds(text: str) -> dict[str, float]:
+    """The seconds the server's pass thread has run passes so far, by kind (specops_pass_seconds: PASS_KINDS),
+    from its /metrics text; {} for a server that does not batch."""
     return {kind: float(value) for kind, value in
             re.findall(r'^specops_pass_seconds_total\{kind="(\w+)"\} (\S+)$', text, re.MULTILINE)}
 
@@ -215,13 +218,14 @@ def pass_seconds(url: str) -> dict[str, float]:
 def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concurrency: int,
               max_tokens: int) -> tuple[dict[str, Any], list[Result]]:
     rows_before = rows_logged(server.db)
-    busy_before = pass_seconds(server.url)
+    busy_before = pass_seconds(scrape(server.url))
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda i: one_request(server.url, prompts[i], max_tokens, stream=i % 2 == 0),
                                 range(len(prompts))))
     wall = time.perf_counter() - start
-    busy = {kind: round(seconds - busy_before.get(kind, 0.0), 3) for kind, seconds in pass_seconds(server.url).items()}
+    metrics = scrape(server.url)
+    busy = {kind: round(seconds - busy_before.get(kind, 0.0), 3) for kind, seconds in pass_seconds(metrics).items()}
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     drafted = sum(r.drafted for r in ok)
@@ -235,7 +239,7 @@ def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concur
         "ttft_p99_s": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 99),
         "acceptance_rate": round(sum(r.accepted for r in ok) / drafted, 4) if drafted else None,
         "drafted_per_token": round(drafted / tokens, 4) if tokens else None,
-        "observed_step_costs": observed_step_costs(server.url),
+        "observed_step_costs": observed_step_costs(metrics),
         # Where the phase's wall time went on the pass thread; the rest it waited for the sequences' own work.
         "pass_thread_s": busy,
         "pass_thread_busy": round(sum(busy.values()) / wall, 3) if busy else None,

@@ -154,10 +154,11 @@ class PassBatcher:
         """`on_pass(kind, sequences, seconds)` hears of every pass the pass thread ran (metrics): kind
         "target" or "draft" (a batched pass of the target or of a draft LM, over that many sequences),
         "target_alone" or "draft_alone" (a prompt's prefill or a draft's catch-up, run alone: `call` with its
-        model's forward), or "other" (other work run alone, such as timing the target at start-up). `cost` (the target's pass times by rows,
-        the drafter's per token, measured at start-up) lets each sequence shrink its draft as the batch grows
-        (`draft_caps`) until the passes run here tell better; without it drafts keep their policy's length.
-        `threads`: the pass thread's intra-op threads (default: every core)."""
+        model's forward), or "other" (other work run alone, such as timing the target at start-up).
+        `cost` (the target's pass times by rows, the drafter's per token, measured at start-up) lets each
+        sequence shrink its draft as the batch grows (`draft_caps`) until the passes run here tell better;
+        without it drafts keep their policy's length. `threads`: the pass thread's intra-op threads (default:
+        every core)."""
         self.forward = _invariant_forward(model)  # the target's eager forward, which its sequences' StaticLMs run
         self.batched_drafts = False  # whether a draft model's passes are batched here too (forward_of)
         self.window_s = window_s
@@ -358,10 +359,12 @@ class PassBatcher:
             return alone[:1], 0.0
         return [], wait
 
-    def _alone_kind(self, forward: LlamaForward | None) -> str:
+    def _kind(self, forward: LlamaForward | None, alone: bool = False) -> str:
+        """A pass's kind for `on_pass`: its model's, and whether it ran alone; "other" for work of no model."""
         if forward is None:
             return "other"
-        return "target_alone" if forward is self.forward else "draft_alone"
+        kind = "target" if forward is self.forward else "draft"
+        return f"{kind}_alone" if alone else kind
 
     def _count_drafts(self, due: list[_Pass]) -> None:
         """Each sequence's draft passes since its last target pass, against the tokens that target pass
@@ -403,11 +406,11 @@ class PassBatcher:
                         for p, result in zip(members, results, strict=True):
                             p.result = result
                         if self.on_pass is not None:
-                            self.on_pass("target" if forward is self.forward else "draft", len(members), timed[-1][3])
+                            self.on_pass(self._kind(forward), len(members), timed[-1][3])
                 else:
                     due[0].result = due[0].work()  # type: ignore[operator]
                     if self.on_pass is not None:
-                        self.on_pass(self._alone_kind(due[0].forward), 1, time.monotonic() - began)
+                        self.on_pass(self._kind(due[0].forward, alone=True), 1, time.monotonic() - began)
         except BaseException as error:  # every waiting sequence gets it, not only one
             for p in due:
                 p.error = error

@@ -281,7 +281,8 @@ class LlamaForward(nn.Module):
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """transformers' eager Llama attention over a batch of sequences with caches of one length (or padded
-        to one: pads_exactly): q [B, heads, W, D], keys and values [B, kv_heads, L, D], visible [B, 1, W, L] -> [B, heads, W, D].
+        to one: pads_exactly): q [B, heads, W, D], keys and values [B, kv_heads, L, D], visible [B, 1, W, L]
+        -> [B, heads, W, D].
 
         The products in the model dtype, the softmax in float32, as transformers computes them (it repeats
         the key heads and adds a mask; here query heads are folded into rows and masked keys set to -inf,
@@ -308,21 +309,22 @@ class LlamaForward(nn.Module):
         shapes (as packed_linear.pack checks each weight), and caches keep one call per length where it fails.
         Never across PAD_LIMIT, where it does fail."""
         generator = torch.Generator().manual_seed(0)
+        return all(self.pads_alike(*case, generator) for case in PAD_CHECKS)
 
+    def pads_alike(self, length: int, padded: int, rows: int, batch: int, generator: torch.Generator) -> bool:
+        """One random draw of `pads_exactly`'s check: `batch` caches of `length` slots and `rows` query rows at
+        their last slots; are the rows bitwise alike over the caches alone and padded to `padded` slots?"""
         def draw(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(self.dtype)
 
-        for length, padded, rows, batch in PAD_CHECKS:
-            q = draw(batch, self.heads, rows, self.head_dim)
-            keys, values = draw(batch, self.kv_heads, length, self.head_dim), draw(batch, self.kv_heads, length, self.head_dim)
-            pos = torch.arange(length - rows, length)
-            alone = self.attention(q, keys, values, self.visibility(pos, length).expand(batch, 1, rows, length))
-            tail = (batch, self.kv_heads, padded - length, self.head_dim)
-            together = self.attention(q, torch.cat([keys, draw(*tail)], 2), torch.cat([values, draw(*tail)], 2),
-                                      self.visibility(pos, padded).expand(batch, 1, rows, padded))
-            if not torch.equal(alone, together):
-                return False
-        return True
+        q = draw(batch, self.heads, rows, self.head_dim)
+        keys, values = (draw(batch, self.kv_heads, length, self.head_dim) for _ in range(2))
+        pos = torch.arange(length - rows, length)
+        alone = self.attention(q, keys, values, self.visibility(pos, length).expand(batch, 1, rows, length))
+        tail = (batch, self.kv_heads, padded - length, self.head_dim)
+        together = self.attention(q, torch.cat([keys, draw(*tail)], 2), torch.cat([values, draw(*tail)], 2),
+                                  self.visibility(pos, padded).expand(batch, 1, rows, padded))
+        return torch.equal(alone, together)
 
 
 class _Group(NamedTuple):

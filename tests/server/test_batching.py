@@ -61,7 +61,7 @@ def test_concurrent_requests_are_bitwise_what_they_are_alone(start_server, bf16_
     assert metric(text, "specops_observed_step_costs", 'field="target_pass_s"') > 0  # learned from those passes
     # The pass thread's time by kind, as the load test reads it: the target's passes and prefills, timing
     # the target at start-up, and a draft LM's passes and prompts.
-    busy = pass_seconds(live.url)
+    busy = pass_seconds(text)
     assert busy["target"] > 0 and busy["target_alone"] > 0 and busy["other"] > 0
     assert ("draft" in busy) == ("draft_alone" in busy) == (drafter == "draft-lm")
     assert live.state.feedback.count() == 2 * len(requests)
@@ -75,5 +75,6 @@ def test_a_model_that_cannot_batch_exactly_serves_one_at_a_time(start_server, ta
         replies = list(pool.map(lambda i: ask(live.url, 2 * i), range(3)))
     # Greedy texts (the recycling drafter's trees change between requests, so fp32 logprobs round differently).
     assert [text for text, _ in replies] == [ask(live.url, 2 * i)[0] for i in range(3)]
-    assert metric(httpx.get(live.url + "/metrics").text, "specops_batch_size_count") == 0
-    assert pass_seconds(live.url) == {}  # no pass thread
+    text = httpx.get(live.url + "/metrics").text
+    assert metric(text, "specops_batch_size_count") == 0
+    assert pass_seconds(text) == {}  # no pass thread
