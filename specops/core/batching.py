@@ -260,11 +260,19 @@ class PassBatcher:
                          startup.draft_passes if seen.passes is None or free else seen.passes,
                          gap_s=(after_draft + target_share) * batch, draft_gap_s=after_draft, gap_row_s=verified_row)
 
-    def draft_caps(self, acceptance: float, max_tokens: int) -> tuple[int, int]:
+    def draft_caps(self, acceptance: float, max_tokens: int, stopped: bool = False) -> tuple[int, int]:
         """The longest drafts that still pay at the current batch size (SmartSpec: specops.core.policies),
         from what this batcher's passes took lately (`step_costs`): one that runs a draft model, and one
-        that costs no model pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass."""
+        that costs no model pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass.
+
+        `stopped`: an acceptance head's stop rule ends the draft (SpecDec++). Alone in the batch its length is
+        the rule's: the rule reads each drafted token's predicted acceptance, the cap only the request's
+        average `acceptance`, and cut drafts the head would have gone on with (SmolLM2's champion at one
+        user: 6% more target passes, ~5% slower, docs/results.md). Beside others the cap is the load's
+        answer, which a rule blind to the batch cannot give."""
         batch = max(1, len(self._members))
+        if stopped and batch == 1:
+            return max_tokens, max_tokens
         costs, free = self.step_costs(batch), self.step_costs(batch, free=True)
         if costs is None or free is None:
             return max_tokens, max_tokens

@@ -23,6 +23,7 @@ from specops.core.cost_model import CostModel, PlaneFit
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, _AttentionPlan, llama_forward
 from specops.core.loop import SpeculativeGenerator
+from specops.core.policies import SpecDecPPPolicy
 from specops.core.target import target_from_model
 from specops.core.types import SamplingParams, static_cache_length
 from specops.drafters.draft_lm import DraftLMDrafter
@@ -30,6 +31,7 @@ from specops.drafters.prompt_lookup import PromptLookupDrafter
 from specops.drafters.suffix import SuffixCache, SuffixDrafter
 from specops.drafters.suffix_front import SuffixFrontDrafter
 from tests.conftest import VOCAB, tiny_llama, tiny_tokenizer
+from tests.drafters.acceptance_head.test_policies import ScriptedHead
 
 HIDDEN = 96  # a test model wide enough that every product runs on oneDNN (batch_invariant)
 WIDTH = 5  # the serving default; fp32 products happen to be invariant at multiples of 4 rows
@@ -322,6 +324,46 @@ def test_the_wait_for_each_drafted_row_counts_against_free_drafts():
         assert batcher.draft_caps(0.7, 4)[1] == 4
 
 
+def test_alone_a_draft_that_an_acceptance_head_stops_is_not_capped():
+    """Passes observed compute-bound, where the cap cuts a lone sequence's draft: a draft that a stop rule
+    ends (SpecDec++) keeps its length alone, since the rule reads each token's predicted acceptance and the
+    cap only the average; beside another sequence it is capped like any. Mutants that must fail: `stopped`
+    ignored (the first assertion); honoured at every batch size (the last)."""
+    batcher = PassBatcher(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), cost=FLAT)
+    observe(batcher, (0.002, 0.003))
+    with decoding(batcher, 1):
+        assert batcher.draft_caps(0.7, 4)[0] < 4
+        assert batcher.draft_caps(0.7, 4, stopped=True) == (4, 4)
+    with decoding(batcher, 2):
+        assert batcher.draft_caps(0.7, 4, stopped=True) == batcher.draft_caps(0.7, 4) != (4, 4)
+
+
+def test_a_lone_specdecpp_generation_drafts_what_it_drafts_unbatched(monkeypatch):
+    """Through the loop: a draft LM whose acceptance head always predicts acceptance, SpecDec++ alone in a
+    batcher whose passes would cap its drafts, drafts what it drafts without a batcher (the whole width but
+    where the token budget ends) and emits plain decoding's tokens. Mutant that must fail: the loop not
+    telling draft_caps that a stop rule ends its drafts."""
+    target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
+    draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)
+    plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH).generate(PROMPTS[1], 16).token_ids
+
+    def drafted(batcher: PassBatcher | None) -> tuple[list[int], list[int]]:
+        drafter = DraftLMDrafter(draft, target.vocab_size, head=ScriptedHead(HIDDEN, [0.99] * 1000))
+        spec = SpeculativeGenerator(target, drafter, "greedy", WIDTH - 1, policy=SpecDecPPPolicy(WIDTH - 1, 0.5),
+                                    static_width=WIDTH, batcher=batcher)
+        result = spec.generate(PROMPTS[1], 16)
+        return [d for d, _ in result.stats.per_step], result.token_ids
+
+    unbatched, tokens = drafted(None)
+    assert tokens == plain and WIDTH - 1 in unbatched
+    batcher = PassBatcher(target.model, cost=FLAT)
+    observe(batcher, (0.002, 0.003))
+    assert drafted(batcher) == (unbatched, plain)
+    original = PassBatcher.draft_caps
+    monkeypatch.setattr(PassBatcher, "draft_caps", lambda self, a, k, stopped=False: original(self, a, k))
+    assert drafted(batcher)[0] != unbatched
+
+
 def test_drafting_on_the_threads_is_counted_once():
     """Drafts on the generation threads (no draft pass): their start-up seconds a token price the wait per
     drafted row until waits are seen (a sequence's share of the cores), then the waits do, and the thread
@@ -424,7 +466,7 @@ def test_under_load_a_suffix_front_drafts_for_free_while_its_draft_lm_rests(monk
         plain = SpeculativeGenerator(target, None, "greedy", 0, static_width=WIDTH).generate(prompt, 24).token_ids
         with monkeypatch.context() as patch:
             if patched:
-                patch.setattr(PassBatcher, "draft_caps", lambda self, a, k: (original(self, a, k)[0],) * 2)
+                patch.setattr(PassBatcher, "draft_caps", lambda self, a, k, stopped=False: (original(self, a, k, stopped)[0],) * 2)
             with decoding(batcher, 15):  # 15 others in their decode loop, this one the 16th
                 batcher.batched_drafts = True  # as the draft LM's forward_of sets it, before its first pass
                 spec = SpeculativeGenerator(target, front, "greedy", WIDTH - 1, static_width=WIDTH, batcher=batcher)
