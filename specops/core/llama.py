@@ -243,10 +243,12 @@ class LlamaForward(nn.Module):
         captured = []
         for i in range(layers):
             h = rms_norm(x, self.attn_norm[i], self.eps)
-            q, k, v = linear(h, self.qkv[i], packed.qkv[i]).split((q_size, kv_size, kv_size), dim=-1)
-            q = rotate(q.view(n, self.heads, self.head_dim).transpose(0, 1), cos, sin)
-            k = rotate(k.view(n, self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-            v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+            qkv = linear(h, self.qkv[i], packed.qkv[i])
+            # q and k rotate in one call (their heads side by side): elementwise, the same values as apart.
+            qk = rotate(qkv[:, : q_size + kv_size].view(n, self.heads + self.kv_heads, self.head_dim).transpose(0, 1),
+                        cos, sin)
+            q, k = qk[: self.heads], qk[self.heads:]
+            v = qkv[:, q_size + kv_size:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
             for j, (segment, rows) in enumerate(zip(segments, plan.rows, strict=True)):
                 if segment.branches is None:
                     segment.keys[i].index_copy_(1, segment.pos, k[:, rows])
@@ -293,8 +295,9 @@ class LlamaForward(nn.Module):
         b, _, w, d = q.shape
         groups = self.heads // self.kv_heads
         # GQA by folding each kv head's query heads into rows, not by repeating the keys (a copy per pass).
-        scores = torch.matmul(q.reshape(b, self.kv_heads, groups * w, d), keys.transpose(-1, -2)) * d ** -0.5
-        scores = scores.view(b, self.kv_heads, groups, w, -1).masked_fill(~visible[:, :, None], float("-inf"))
+        # In place on the product's fresh output: the same values without a copy of the scores per step.
+        scores = torch.matmul(q.reshape(b, self.kv_heads, groups * w, d), keys.transpose(-1, -2)).mul_(d ** -0.5)
+        scores = scores.view(b, self.kv_heads, groups, w, -1).masked_fill_(~visible[:, :, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights.view(b, self.kv_heads, groups * w, -1), values).view(b, self.heads, w, d)
 
