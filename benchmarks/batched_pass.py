@@ -9,15 +9,22 @@ several lengths costs what one over the longest does.
 the rate of its weight products in GFLOP/s beside that of one large bf16 product on the same threads: how
 close to what the cores do at best a prefill already runs.
 
+`--checkout PATH` times another checkout's forward (its specops/core/llama.py, e.g. `git worktree add PATH
+COMMIT`) beside this one's on the same weights and caches, the two interleaved in one process, and checks
+that their outputs are bitwise equal: a change meant to be faster and to round alike, measured as both.
+
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5 --prefills 128 256
+    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 5 --prefills 192 --checkout /tmp/old
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +32,13 @@ from pathlib import Path
 import torch
 
 from specops.core.kv import StaticLM
-from specops.core.llama import Segment, llama_forward
+from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.target import load_target
+
+try:  # imported as benchmarks.batched_pass (the tests), or run as a script from benchmarks/
+    from benchmarks.load_test import code_version
+except ModuleNotFoundError:
+    from load_test import code_version  # type: ignore[no-redef]
 
 EMPTY_SLOTS = 80  # a cache's slots past its prompt: 64 new tokens and the runtime's room (static_cache_length)
 
@@ -40,20 +52,24 @@ def lengths_of(case: str) -> list[int]:
     return lengths
 
 
-def pass_of(model: torch.nn.Module, lengths: list[int], rows: int) -> Callable[[], object]:
+def pass_of(model: torch.nn.Module, lengths: list[int], rows: int,
+            forwards: list[LlamaForward] | None = None) -> Callable[[], object]:
     """One pass of `rows` rows per sequence, a sequence per length, prompts filling each cache but its last
-    EMPTY_SLOTS slots (the rows are written past the prompt and not kept), warmed up."""
-    forward = llama_forward(model)[0]
+    EMPTY_SLOTS slots (the rows are written past the prompt and not kept), warmed up. With `forwards`, one
+    such pass per forward, on the same caches and rows: a function returning a run of each."""
     caches = []
     for length in lengths:
         lm = StaticLM(model, 5, length)
         lm.prefill([10 + i % 50 for i in range(length - EMPTY_SLOTS)])
         caches.append(lm)
+    segments = [Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows), lm.keys, lm.values,
+                        *lm.tables) for lm in caches]
+    runs = [warmed(lambda forward=forward: forward.forward_many(segments))
+            for forward in forwards or [llama_forward(model)[0]]]
+    return runs[0] if forwards is None else lambda: runs
 
-    def run() -> object:
-        return forward.forward_many([Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows),
-                                             lm.keys, lm.values, *lm.tables) for lm in caches])
 
+def warmed(run: Callable[[], object]) -> Callable[[], object]:
     for _ in range(3):  # allocator, oneDNN primitives
         run()
     return run
@@ -70,6 +86,65 @@ def prefill_of(model: torch.nn.Module, tokens: int) -> Callable[[], object]:
 
     run()
     return run
+
+
+def forward_prefill_of(forward: LlamaForward, tokens: int) -> Callable[[], object]:
+    """A prompt of `tokens` tokens through `forward.prefill` into a cache of its own, warmed up."""
+    keys, values = forward.new_cache(tokens + EMPTY_SLOTS)
+    tables = forward.tables(tokens + EMPTY_SLOTS)
+    ids = torch.tensor([10 + i % 50 for i in range(tokens)])
+    return warmed(lambda: (forward.prefill(ids, torch.arange(tokens), keys, values, *tables), keys, values))
+
+
+def checkout_forward(model: torch.nn.Module, checkout: Path) -> LlamaForward:
+    """`model`'s eager forward as another checkout's specops/core/llama.py builds it (loaded under a name of
+    its own; what it imports, such as the packed products, is this checkout's)."""
+    spec = importlib.util.spec_from_file_location("checkout_llama", checkout / "specops" / "core" / "llama.py")
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{checkout} has no specops/core/llama.py.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are built
+    spec.loader.exec_module(module)
+    return module.LlamaForward(model).eval()
+
+
+def side_by_side(runs: list[Callable[[], object]], repeats: int) -> tuple[list[float], bool]:
+    """Each run's median seconds, timed interleaved (the order flipped every repeat, so neither always runs
+    after the other), and whether their outputs were bitwise equal."""
+    outputs = [run() for run in runs]
+    equal = all(tensors_equal(outputs[0], other) for other in outputs[1:])
+    times: list[list[float]] = [[] for _ in runs]
+    for repeat in range(repeats):
+        for i in (range(len(runs)) if repeat % 2 else reversed(range(len(runs)))):
+            start = time.perf_counter()
+            runs[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times], equal
+
+
+def tensors_equal(a: object, b: object) -> bool:
+    """Whether two nests of tuples and lists of tensors hold bitwise equal tensors."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+            and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True)))
+
+
+def compare(model: torch.nn.Module, checkout: Path, cases: list[str], rows: list[int], prefills: list[int],
+            repeats: int) -> list[dict]:
+    """This checkout's forward against `checkout`'s, case by case: both medians, checkout/this, bitwise equal."""
+    forwards = [llama_forward(model)[0], checkout_forward(model, checkout)]
+    jobs = [(f"{case} x{n} rows", pass_of(model, lengths_of(case), n, forwards)()) for case in cases for n in rows]
+    jobs += [(f"prefill of {tokens}", [forward_prefill_of(forward, tokens) for forward in forwards])
+             for tokens in prefills]
+    out = []
+    for name, runs in jobs:
+        (this, other), equal = side_by_side(runs, repeats)
+        out.append({"case": name, "this_ms": round(this * 1000, 2), "checkout_ms": round(other * 1000, 2),
+                    "checkout_over_this": round(other / this, 3), "bitwise_equal": equal})
+        print(f"{name}: this {this * 1000:.2f} ms, checkout {other * 1000:.2f} ms, checkout/this {other / this:.3f}, "
+              f"bitwise equal: {equal}", flush=True)
+    return out
 
 
 def product_flops(model: torch.nn.Module) -> int:
@@ -104,10 +179,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--profile", action="store_true", help="print torch's profile of the last case's passes")
+    parser.add_argument("--checkout", type=Path, default=None,
+                        help="time another checkout's forward beside this one's, interleaved, and compare outputs")
     parser.add_argument("--out", default="benchmarks/results/batched_pass.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="bfloat16").model
+    if args.checkout is not None:
+        with torch.inference_mode():
+            compared = compare(model, args.checkout.resolve(), args.cases, args.rows, args.prefills, args.repeats)
+        Path(args.out).write_text(json.dumps({
+            "threads": args.threads, "load_avg": os.getloadavg(), "this": code_version(Path(__file__).parent),
+            "checkout": {"path": str(args.checkout), "code": code_version(args.checkout)}, "compared": compared},
+            indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     results, profiled = [], []
     with torch.inference_mode():
         for case in args.cases:

@@ -1,16 +1,18 @@
-"""The measuring scripts' own logic: benchmarks/batched_pass.py's cases, passes and prefills, and load_test.py's
-rounds, plot and
---checkout (a server run from another checkout's code)."""
+"""The measuring scripts' own logic: benchmarks/batched_pass.py's cases, passes, prefills and --checkout (another
+checkout's forward beside this one's), and load_test.py's rounds, plot and --checkout (a server run from
+another checkout's code)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from benchmarks.batched_pass import lengths_of, pass_of, prefill_of, product_flops
+from benchmarks.batched_pass import compare, lengths_of, pass_of, prefill_of, product_flops
 from benchmarks.load_test import code_version, combine, parse_args, plot
 from tests.conftest import tiny_llama
 
@@ -40,6 +42,27 @@ def test_a_prefill_is_timed_on_the_same_slots_and_its_products_counted():
     kv = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
     per_layer = 2 * config.hidden_size ** 2 + 2 * kv * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
     assert product_flops(model) == 2 * config.num_hidden_layers * per_layer
+
+
+def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(tmp_path):
+    """The same llama.py in another folder: every case bitwise equal; a mutant of it that rotates the other
+    way: none (the comparison must be able to fail)."""
+    source = Path(__file__).parents[1] / "specops" / "core" / "llama.py"
+    (tmp_path / "specops" / "core").mkdir(parents=True)
+    shutil.copy(source, tmp_path / "specops" / "core" / "llama.py")
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
+    with torch.inference_mode():
+        same = compare(model, tmp_path, ["128", "128,192"], [1, 3], [20], repeats=2)
+    assert [row["case"] for row in same] == ["128 x1 rows", "128 x3 rows", "128,192 x1 rows", "128,192 x3 rows",
+                                              "prefill of 20"]
+    assert all(row["bitwise_equal"] and row["this_ms"] > 0 and row["checkout_ms"] > 0 for row in same)
+    text = source.read_text()
+    assert text.count("return x * cos + torch.cat(") == 1
+    (tmp_path / "specops" / "core" / "llama.py").write_text(text.replace("return x * cos + torch.cat(",
+                                                                         "return x * cos - torch.cat("))
+    with torch.inference_mode():
+        mutant = compare(model, tmp_path, ["128"], [3], [20], repeats=1)
+    assert not any(row["bitwise_equal"] for row in mutant)
 
 
 def test_a_checkout_names_a_server_and_a_folder_with_the_package(tmp_path):
