@@ -20,12 +20,12 @@ that their outputs are bitwise equal: a change meant to be faster and to round a
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,25 +52,47 @@ def lengths_of(case: str) -> list[int]:
     return lengths
 
 
-def pass_of(model: torch.nn.Module, lengths: list[int], rows: int,
-            forwards: list[LlamaForward] | None = None) -> Callable[[], object]:
-    """One pass of `rows` rows per sequence, a sequence per length, prompts filling each cache but its last
-    EMPTY_SLOTS slots (the rows are written past the prompt and not kept), warmed up. With `forwards`, one
-    such pass per forward, on the same caches and rows: a function returning a run of each."""
+def caches_of(model: torch.nn.Module, lengths: list[int]) -> list[StaticLM]:
+    """A cache per length, its prompt filling all but its last EMPTY_SLOTS slots."""
     caches = []
     for length in lengths:
         lm = StaticLM(model, 5, length)
         lm.prefill([10 + i % 50 for i in range(length - EMPTY_SLOTS)])
         caches.append(lm)
-    segments = [Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows), lm.keys, lm.values,
-                        *lm.tables) for lm in caches]
-    runs = [warmed(lambda forward=forward: forward.forward_many(segments))
-            for forward in forwards or [llama_forward(model)[0]]]
-    return runs[0] if forwards is None else lambda: runs
+    return caches
+
+
+def pass_of(model: torch.nn.Module, lengths: list[int], rows: int) -> Callable[[], object]:
+    """One pass of `rows` rows per sequence, a sequence per length (caches_of: the rows are written past the
+    prompt and not kept), warmed up."""
+    forward, caches = llama_forward(model)[0], caches_of(model, lengths)
+
+    def run() -> object:
+        return forward.forward_many([Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows),
+                                             lm.keys, lm.values, *lm.tables) for lm in caches])
+
+    return warmed(run)
+
+
+def runs_of(model: torch.nn.Module, lengths: list[int], rows: int,
+            forwards: list[LlamaForward]) -> list[Callable[[], object]]:
+    """pass_of's pass through each of `forwards` (another checkout's takes this checkout's Segment, which it
+    reads by field name), each on its own copy of the caches and with its own rotary tables, so that a
+    forward writing a wrong slot or table cannot hide behind the other's writes: a run returns the logits and
+    layer outputs, and the keys and values it left."""
+    caches, runs = caches_of(model, lengths), []
+    for forward in forwards:
+        segments = [Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows),
+                            [k.clone() for k in lm.keys], [v.clone() for v in lm.values],
+                            *forward.tables(lm.keys[0].shape[1])) for lm in caches]
+        runs.append(warmed(lambda forward=forward, segments=segments: (
+            forward.forward_many(segments), [s.keys for s in segments], [s.values for s in segments])))
+    return runs
 
 
 def warmed(run: Callable[[], object]) -> Callable[[], object]:
-    for _ in range(3):  # allocator, oneDNN primitives
+    """`run`, run three times first: the allocator, oneDNN's primitives."""
+    for _ in range(3):
         run()
     return run
 
@@ -99,12 +121,15 @@ def forward_prefill_of(forward: LlamaForward, tokens: int) -> Callable[[], objec
 def checkout_forward(model: torch.nn.Module, checkout: Path) -> LlamaForward:
     """`model`'s eager forward as another checkout's specops/core/llama.py builds it (loaded under a name of
     its own; what it imports, such as the packed products, is this checkout's)."""
-    spec = importlib.util.spec_from_file_location("checkout_llama", checkout / "specops" / "core" / "llama.py")
-    if spec is None or spec.loader is None:
+    path = checkout / "specops" / "core" / "llama.py"
+    if not path.is_file():
         raise SystemExit(f"{checkout} has no specops/core/llama.py.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while they are built
-    spec.loader.exec_module(module)
+    module = types.ModuleType("checkout_llama")
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module  # its dataclasses look their module up while they are built
+    # From the source, not through importlib's loader: its cached bytecode is reused for a file changed within
+    # the same second at the same size (a one-character mutant), and it would write into the other checkout.
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
     return module.LlamaForward(model).eval()
 
 
@@ -134,7 +159,7 @@ def compare(model: torch.nn.Module, checkout: Path, cases: list[str], rows: list
             repeats: int) -> list[dict]:
     """This checkout's forward against `checkout`'s, case by case: both medians, checkout/this, bitwise equal."""
     forwards = [llama_forward(model)[0], checkout_forward(model, checkout)]
-    jobs = [(f"{case} x{n} rows", pass_of(model, lengths_of(case), n, forwards)()) for case in cases for n in rows]
+    jobs = [(f"{case} x{n} rows", runs_of(model, lengths_of(case), n, forwards)) for case in cases for n in rows]
     jobs += [(f"prefill of {tokens}", [forward_prefill_of(forward, tokens) for forward in forwards])
              for tokens in prefills]
     out = []
@@ -181,8 +206,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print torch's profile of the last case's passes")
     parser.add_argument("--checkout", type=Path, default=None,
                         help="time another checkout's forward beside this one's, interleaved, and compare outputs")
-    parser.add_argument("--out", default="benchmarks/results/batched_pass.json")
+    parser.add_argument("--out", default=None,
+                        help="the JSON to write (default: benchmarks/results/batched_pass.json; with --checkout, "
+                             "batched_pass_checkout.json)")
     args = parser.parse_args()
+    if args.checkout is not None and args.profile:
+        parser.error("--profile profiles this checkout's passes alone; leave out --checkout")
+    args.out = args.out or f"benchmarks/results/batched_pass{'_checkout' if args.checkout else ''}.json"
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="bfloat16").model
     if args.checkout is not None:

@@ -4,7 +4,6 @@ another checkout's code)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.batched_pass import compare, lengths_of, pass_of, prefill_of, product_flops
+from benchmarks.batched_pass import checkout_forward, compare, lengths_of, pass_of, prefill_of, product_flops
 from benchmarks.load_test import code_version, combine, parse_args, plot
 from tests.conftest import tiny_llama
 
@@ -44,25 +43,34 @@ def test_a_prefill_is_timed_on_the_same_slots_and_its_products_counted():
     assert product_flops(model) == 2 * config.num_hidden_layers * per_layer
 
 
-def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(tmp_path):
-    """The same llama.py in another folder: every case bitwise equal; a mutant of it that rotates the other
-    way: none (the comparison must be able to fail)."""
-    source = Path(__file__).parents[1] / "specops" / "core" / "llama.py"
+MUTANTS = {"rotates the other way": ("return x * cos + torch.cat(", "return x * cos - torch.cat("),
+           "writes no values (its rows read the slots another forward's pass would have written)":
+           ("segment.values[i].index_copy_(1, segment.pos, v[:, rows])", "pass")}
+
+
+@pytest.mark.parametrize("mutant", [None, *MUTANTS])
+def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(tmp_path, mutant):
+    """The same llama.py in another folder: every case bitwise equal; a mutant of it: none (the comparison
+    must be able to fail, each forward on caches of its own)."""
+    text = (Path(__file__).parents[1] / "specops" / "core" / "llama.py").read_text()
+    if mutant is not None:
+        old, new = MUTANTS[mutant]
+        assert text.count(old) == 1
+        text = text.replace(old, new)
     (tmp_path / "specops" / "core").mkdir(parents=True)
-    shutil.copy(source, tmp_path / "specops" / "core" / "llama.py")
+    (tmp_path / "specops" / "core" / "llama.py").write_text(text)
     model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
     with torch.inference_mode():
-        same = compare(model, tmp_path, ["128", "128,192"], [1, 3], [20], repeats=2)
-    assert [row["case"] for row in same] == ["128 x1 rows", "128 x3 rows", "128,192 x1 rows", "128,192 x3 rows",
-                                              "prefill of 20"]
-    assert all(row["bitwise_equal"] and row["this_ms"] > 0 and row["checkout_ms"] > 0 for row in same)
-    text = source.read_text()
-    assert text.count("return x * cos + torch.cat(") == 1
-    (tmp_path / "specops" / "core" / "llama.py").write_text(text.replace("return x * cos + torch.cat(",
-                                                                         "return x * cos - torch.cat("))
-    with torch.inference_mode():
-        mutant = compare(model, tmp_path, ["128"], [3], [20], repeats=1)
-    assert not any(row["bitwise_equal"] for row in mutant)
+        rows = compare(model, tmp_path, ["128", "128,192"], [1, 3], [20], repeats=2)
+    assert [row["case"] for row in rows] == ["128 x1 rows", "128 x3 rows", "128,192 x1 rows", "128,192 x3 rows",
+                                             "prefill of 20"]
+    assert all(row["this_ms"] > 0 and row["checkout_ms"] > 0 for row in rows)
+    assert [row["bitwise_equal"] for row in rows] == [mutant is None] * len(rows)
+
+
+def test_a_checkout_without_the_forward_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="has no specops/core/llama.py"):
+        checkout_forward(tiny_llama(0, dtype=torch.bfloat16, hidden=128), tmp_path)
 
 
 def test_a_checkout_names_a_server_and_a_folder_with_the_package(tmp_path):

@@ -265,11 +265,12 @@ class PassBatcher:
         from what this batcher's passes took lately (`step_costs`): one that runs a draft model, and one
         that costs no model pass (Drafter.free_draft), whose tokens cost only their rows in the target's pass.
 
-        `stopped`: an acceptance head's stop rule ends the draft (SpecDec++). Alone in the batch its length is
-        the rule's: the rule reads each drafted token's predicted acceptance, the cap only the request's
-        average `acceptance`, and cut drafts the head would have gone on with (SmolLM2's champion at one
-        user: 6% more target passes, ~5% slower, docs/results.md). Beside others the cap is the load's
-        answer, which a rule blind to the batch cannot give."""
+        `stopped`: an acceptance head's stop rule ends the draft (SpecDec++, goodput_head). Alone in the batch
+        neither cap applies, as without a batcher: the rule reads each drafted token's predicted acceptance,
+        the cap only the request's average `acceptance`, and cut drafts the head would have gone on with
+        (SmolLM2's champion at one user: 294 target passes against 277 for 16 requests, its server 3-4%
+        slower; docs/results.md). Beside others the cap is the load's answer, which a rule blind to the batch
+        cannot give."""
         batch = max(1, len(self._members))
         if stopped and batch == 1:
             return max_tokens, max_tokens

@@ -245,8 +245,8 @@ class LlamaForward(nn.Module):
             h = rms_norm(x, self.attn_norm[i], self.eps)
             qkv = linear(h, self.qkv[i], packed.qkv[i])
             # q and k rotate in one call (their heads side by side): elementwise, the same values as apart.
-            qk = rotate(qkv[:, : q_size + kv_size].view(n, self.heads + self.kv_heads, self.head_dim).transpose(0, 1),
-                        cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(n, self.heads + self.kv_heads, self.head_dim)
+            qk = rotate(qk.transpose(0, 1), cos, sin)
             q, k = qk[: self.heads], qk[self.heads:]
             v = qkv[:, q_size + kv_size:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
             for j, (segment, rows) in enumerate(zip(segments, plan.rows, strict=True)):

@@ -226,8 +226,8 @@ class SpeculativeGenerator:
                         # and coupled output is the target's own draw whatever the draft; a rejection-sampled one
                         # depends on the draft, so its length must not depend on what else is running (the
                         # request would not be reproducible).
-                        stopped = self.policy.stop is not None  # a head's rule ends the draft: alone, not capped
-                        paid, free = self.batcher.draft_caps(stats.running_acceptance, k, stopped)
+                        head_stops = self.policy.stop is not None  # a head's rule ends the draft: alone, uncapped
+                        paid, free = self.batcher.draft_caps(stats.running_acceptance, k, stopped=head_stops)
                         k, free_k = min(k, paid), min(k, free)
                     tick = time.perf_counter()
                     if isinstance(generator, PositionNoise):

@@ -361,6 +361,7 @@ def test_a_lone_specdecpp_generation_drafts_what_it_drafts_unbatched(monkeypatch
     assert drafted(batcher) == (unbatched, plain)
     original = PassBatcher.draft_caps
     monkeypatch.setattr(PassBatcher, "draft_caps", lambda self, a, k, stopped=False: original(self, a, k))
+    observe(batcher, (0.002, 0.003))  # what the fits hold again, whatever the runs above timed
     assert drafted(batcher)[0] != unbatched
 
 
