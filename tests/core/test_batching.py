@@ -173,6 +173,22 @@ def test_products_at_onednn_size_or_below_round_differently_in_a_batch():
     assert not batched_products_differ(17)
 
 
+def test_a_batcher_packs_its_target_on_a_thread_of_its_own(monkeypatch):
+    """Packing the weights is parallel work, which would leave the constructing thread an OpenMP team that
+    slows every pass after (see on_short_thread): it runs on a thread that ends. Mutant that must fail: the
+    forward built on the caller's thread."""
+    builders: list[int] = []
+    original = LlamaForward.__init__
+
+    def recording(self, model) -> None:
+        builders.append(threading.get_ident())
+        original(self, model)
+
+    monkeypatch.setattr(LlamaForward, "__init__", recording)
+    PassBatcher(tiny_llama(3, dtype=torch.bfloat16, hidden=HIDDEN))
+    assert builders and threading.get_ident() not in builders
+
+
 def test_a_batcher_runs_eager_passes_of_its_own_target():
     model = tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN)
     batcher = PassBatcher(tiny_llama(1, dtype=torch.bfloat16, hidden=HIDDEN))
