@@ -115,6 +115,16 @@ def process_status_mib(pid: int) -> dict[str, float]:
         return {}
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far, user and system over all its threads (/proc/PID/stat); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
 class RssSampler:
     """Samples each server's resident memory every `interval_s` while the phases run (a second view of the
     peak beside the kernel's VmHWM, read before the server stops)."""
@@ -219,11 +229,13 @@ def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concur
               max_tokens: int) -> tuple[dict[str, Any], list[Result]]:
     rows_before = rows_logged(server.db)
     busy_before = pass_seconds(scrape(server.url))
+    cpu_before = time.process_time(), process_cpu_s(server.process.pid)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda i: one_request(server.url, prompts[i], max_tokens, stream=i % 2 == 0),
                                 range(len(prompts))))
     wall = time.perf_counter() - start
+    client_cpu, server_cpu = time.process_time() - cpu_before[0], process_cpu_s(server.process.pid) - cpu_before[1]
     metrics = scrape(server.url)
     busy = {kind: round(seconds - busy_before.get(kind, 0.0), 3) for kind, seconds in pass_seconds(metrics).items()}
     ok = [r for r in results if r.ok]
@@ -243,6 +255,9 @@ def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concur
         # Where the phase's wall time went on the pass thread; the rest it waited for the sequences' own work.
         "pass_thread_s": busy,
         "pass_thread_busy": round(sum(busy.values()) / wall, 3) if busy else None,
+        # The client runs on the same cores (loopback): the CPU it took, the server could not have.
+        "client_cpu_s": round(client_cpu, 2), "server_cpu_s": round(server_cpu, 2),
+        "cores_busy": round((client_cpu + server_cpu) / (wall * (os.cpu_count() or 1)), 3),
         "rows_logged": rows_logged(server.db) - rows_before,
         "error_samples": sorted({r.error for r in results if r.error})[:3],
         "server_5xx": sum(1 for r in results if r.error and "Error code: 5" in r.error),
@@ -349,8 +364,8 @@ def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases
                 print(f"{server.drafter:>14} c={concurrency:<3}: {summary['throughput_tok_s']:7.2f} tok/s, "
                       f"p50 {summary['latency_p50_s']} s, p99 {summary['latency_p99_s']} s, "
                       f"TTFT p99 {summary['ttft_p99_s']} s, errors {summary['errors']}, rows {summary['rows_logged']}, "
-                      f"pass thread busy {summary['pass_thread_busy']} {summary['pass_thread_s']}",
-                      flush=True)
+                      f"CPU s client {summary['client_cpu_s']} server {summary['server_cpu_s']}, "
+                      f"pass thread busy {summary['pass_thread_busy']} {summary['pass_thread_s']}", flush=True)
         sampler.stop.set()
         report["memory"] = {
             server.drafter: {"budget_mib": memory_budget_mib(spec), "max_rss_sampled_mib": sampler.max_rss[server.drafter],

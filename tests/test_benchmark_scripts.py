@@ -4,6 +4,7 @@ another checkout's code)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from PIL import Image
 
 from benchmarks.batched_pass import checkout_forward, compare, lengths_of, pass_of, prefill_of, product_flops
-from benchmarks.load_test import code_version, combine, parse_args, plot
+from benchmarks.load_test import code_version, combine, parse_args, plot, process_cpu_s
 from tests.conftest import tiny_llama
 
 
@@ -71,6 +72,15 @@ def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(
 def test_a_checkout_without_the_forward_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="has no specops/core/llama.py"):
         checkout_forward(tiny_llama(0, dtype=torch.bfloat16, hidden=128), tmp_path)
+
+
+def test_a_process_s_cpu_seconds_grow_with_its_work_and_a_gone_one_has_none():
+    before = process_cpu_s(os.getpid())
+    sum(i * i for i in range(3_000_000))  # a few hundred ms of this process's CPU
+    assert process_cpu_s(os.getpid()) > before > 0
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    assert process_cpu_s(finished.pid) == 0.0
 
 
 def test_a_checkout_names_a_server_and_a_folder_with_the_package(tmp_path):
