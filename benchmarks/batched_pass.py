@@ -64,22 +64,18 @@ def caches_of(model: torch.nn.Module, lengths: list[int]) -> list[StaticLM]:
 
 def pass_of(model: torch.nn.Module, lengths: list[int], rows: int) -> Callable[[], object]:
     """One pass of `rows` rows per sequence, a sequence per length (caches_of: the rows are written past the
-    prompt and not kept), warmed up."""
-    forward, caches = llama_forward(model)[0], caches_of(model, lengths)
-
-    def run() -> object:
-        return forward.forward_many([Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows),
-                                             lm.keys, lm.values, *lm.tables) for lm in caches])
-
-    return warmed(run)
+    prompt and not kept), warmed up: runs_of's, through this checkout's forward, returning its logits and
+    layer outputs."""
+    run = runs_of(model, lengths, rows, [llama_forward(model)[0]])[0]
+    return lambda: run()[0]  # type: ignore[index]
 
 
 def runs_of(model: torch.nn.Module, lengths: list[int], rows: int,
             forwards: list[LlamaForward]) -> list[Callable[[], object]]:
-    """pass_of's pass through each of `forwards` (another checkout's takes this checkout's Segment, which it
-    reads by field name), each on its own copy of the caches and with its own rotary tables, so that a
-    forward writing a wrong slot or table cannot hide behind the other's writes: a run returns the logits and
-    layer outputs, and the keys and values it left."""
+    """One pass of `rows` rows per sequence through each of `forwards` (another checkout's takes this
+    checkout's Segment, which it reads by field name), each on its own copy of the caches and with its own
+    rotary tables, so that a forward writing a wrong slot or table cannot hide behind the other's writes: a
+    run returns the logits and layer outputs, and the keys and values it left."""
     caches, runs = caches_of(model, lengths), []
     for forward in forwards:
         segments = [Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows),
