@@ -5,7 +5,10 @@ alternate between them, so a slow spell on a shared machine hits every server al
 through the official `openai` client, greedy, alternately streamed (time to first token is measured
 on those) and not. Each phase sends the same requests, so a server's texts at every concurrency must
 equal its texts alone (batched passes are exact); with --fresh-prompts each concurrency gets its own
-requests instead. Either way every server's texts must equal the others' (greedy is the target's own
+requests instead: with N levels, every N-th prompt of the dataset from the level's own offset (HumanEval's
+prompts grow along the file, and consecutive slices gave the 1-user level prompts of 149 tokens on
+average and the 8-user level 222, so one level's throughput against another's compared different work;
+interleaved, 180-200). Either way every server's texts must equal the others' (greedy is the target's own
 output). Writes JSON and a PNG of throughput and latency against concurrency.
 
 A phase of 32 requests at 8 users lasts ~15 s, and on a shared 2-core machine the same server's
@@ -36,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from openai import OpenAI, OpenAIError
@@ -215,6 +218,7 @@ def observed_step_costs(text: str) -> dict[str, float | None]:
             re.findall(r'^specops_observed_step_costs\{field="(\w+)"\} (\S+)$', text, re.MULTILINE)}
 
 
+T = TypeVar("T")
 PASS_KINDS = ("target", "draft", "target_alone", "draft_alone", "other")  # specops_pass_seconds' kinds
 
 
@@ -274,8 +278,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dataset", default="humaneval", help="humaneval, sharegpt or a JSONL file (specops.data.datasets)")
     parser.add_argument("--fresh-prompts", action="store_true",
-                        help="each concurrency level gets its own requests (every server the same ones): a drafter "
-                             "that learns from served responses (Suffix Decoding) then never sees a request again")
+                        help="each concurrency level gets its own requests (every server the same ones), every "
+                             "N-th prompt of the dataset for N levels: a drafter that learns from served responses "
+                             "(Suffix Decoding) then never sees a request again, and every level gets prompts of "
+                             "the whole dataset's lengths")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per server (0: torch's default, one per core); 1 avoids stalls when "
                              "other work holds a core")
@@ -339,6 +345,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def level_prompts(pool: list[T], level: int, levels: int) -> list[T]:
+    """The prompts of the `level`-th of `levels` concurrency levels: every levels-th of the pool from its own
+    offset, so that each level's prompts span the whole dataset (see the module docstring)."""
+    return pool[level % levels:: levels]
+
+
 def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases: int) -> dict[str, Any]:
     """Fresh servers, every phase on each, then stopped: one round's results, memory and texts."""
     folder = Path(tempfile.mkdtemp(prefix="specops-load-"))
@@ -356,7 +368,7 @@ def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases
         for phase, concurrency in enumerate(args.concurrency):
             # Rotate which server goes first, so none always runs right after another's load.
             order = servers[phase % len(servers):] + servers[: phase % len(servers)]
-            prompts = pool[(phase % phases) * args.requests: (phase % phases + 1) * args.requests]
+            prompts = level_prompts(pool, phase, phases)
             for server in order:
                 summary, results = run_phase(server, prompts, concurrency, args.max_tokens)
                 report["results"][server.drafter][str(concurrency)] = summary

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from benchmarks.batched_pass import checkout_forward, compare, lengths_of, pass_of, prefill_of, product_flops
-from benchmarks.load_test import code_version, combine, parse_args, plot, process_cpu_s
+from benchmarks.load_test import code_version, combine, level_prompts, parse_args, plot, process_cpu_s
 from tests.conftest import tiny_llama
 
 
@@ -81,6 +81,18 @@ def test_a_process_s_cpu_seconds_grow_with_its_work_and_a_gone_one_has_none():
     finished = subprocess.Popen(["true"])
     finished.wait()
     assert process_cpu_s(finished.pid) == 0.0
+
+
+def test_each_level_gets_its_own_prompts_from_the_whole_pool():
+    """Prompts that grow along the pool (as HumanEval's do): every level gets as many, none shared, and
+    each level's lengths span the pool, so the levels' mean lengths stay within one level's step of each
+    other (consecutive slices put the longest at the last level: means 3.5 against 27.5 here)."""
+    pool, levels = list(range(32)), 4
+    split = [level_prompts(pool, level, levels) for level in range(levels)]
+    assert sorted(p for prompts in split for p in prompts) == pool and {len(prompts) for prompts in split} == {8}
+    means = [sum(prompts) / len(prompts) for prompts in split]
+    assert max(means) - min(means) <= levels - 1
+    assert level_prompts(pool, 0, 1) == pool  # one level (the same prompts at every concurrency): the whole pool
 
 
 def test_a_checkout_names_a_server_and_a_folder_with_the_package(tmp_path):
