@@ -320,9 +320,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for name, phases in report["results"].items():
         levels = sorted(phases, key=int)
         x = [int(c) for c in levels]
-        left.plot(x, [phases[c]["throughput_tok_s"] for c in levels], marker="o", label=name)
-        right.plot(x, [phases[c]["latency_p50_s"] for c in levels], marker="o", label=f"{name} p50")
-        right.plot(x, [phases[c]["latency_p99_s"] for c in levels], marker="x", linestyle="--", label=f"{name} p99")
+        (line,) = left.plot(x, [phases[c]["throughput_tok_s"] for c in levels], marker="o", label=name)
+        color = line.get_color()  # a server's color in both panels: p50 solid, p99 dashed
+        right.plot(x, [phases[c]["latency_p50_s"] for c in levels], marker="o", color=color, label=f"{name} p50")
+        right.plot(x, [phases[c]["latency_p99_s"] for c in levels], marker="x", linestyle="--", color=color,
+                   label=f"{name} p99")
     left.set(xlabel="concurrent clients", ylabel="generated tokens / s", title="Throughput", xscale="log", xticks=[])
     right.set(xlabel="concurrent clients", ylabel="seconds", title="Request latency", xscale="log")
     for ax in (left, right):
@@ -331,14 +333,23 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if busy:  # where the pass thread's time went, as a share of each phase's wall time
+        # One group of bars per server, a gap between groups: the ticks name the level, the server under its group.
+        names = list(dict.fromkeys(name for name, _, _ in busy))
+        x: list[int] = []
+        for i, (name, _, _) in enumerate(busy):
+            x.append(x[-1] + (1 if busy[i - 1][0] == name else 2) if x else 0)
         bottom = [0.0] * len(busy)
         seen = {kind for _, _, phase in busy for kind in phase["pass_thread_s"]}
         for kind in [k for k in PASS_KINDS if k in seen] + sorted(seen - set(PASS_KINDS)):  # and older runs' kinds
             shares = [100 * (phase["pass_thread_s"].get(kind) or 0.0) / phase["wall_s"] for _, _, phase in busy]
-            axes[2].bar(range(len(busy)), shares, bottom=bottom, label=kind)
+            axes[2].bar(x, shares, bottom=bottom, label=kind)
             bottom = [b + share for b, share in zip(bottom, shares, strict=True)]
-        axes[2].set_xticks(range(len(busy)), [f"{name}\nc={level}" for name, level, _ in busy], fontsize=7)
-        axes[2].set(ylabel="% of the phase's wall time", ylim=(0, 100), title="Pass thread busy, by kind")
+        axes[2].set_xticks(x, [level for _, level, _ in busy], fontsize=7)
+        for name in names:
+            group = [position for position, (other, _, _) in zip(x, busy, strict=True) if other == name]
+            axes[2].text(sum(group) / len(group), -0.13, name, transform=axes[2].get_xaxis_transform(), ha="center",
+                         fontsize=8)
+        axes[2].set(ylabel="% of the phase's wall time", ylim=(0, 100), title="Pass thread busy, by kind (x: clients)")
         axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
