@@ -94,16 +94,10 @@ def warmed(run: Callable[[], object]) -> Callable[[], object]:
 
 
 def prefill_of(model: torch.nn.Module, tokens: int) -> Callable[[], object]:
-    """A prompt of `tokens` tokens prefilled into a fresh cache (StaticLM.prefill), warmed up."""
-    lm = StaticLM(model, 5, tokens + EMPTY_SLOTS)
-    prompt = [10 + i % 50 for i in range(tokens)]
-
-    def run() -> object:
-        lm.length = 0  # the same slots again: a prefill writes them all
-        return lm.prefill(prompt)
-
-    run()
-    return run
+    """A prompt of `tokens` tokens prefilled from slot 0 of a cache of its own, warmed up: forward_prefill_of's,
+    through this checkout's forward, returning its layer outputs."""
+    run = forward_prefill_of(llama_forward(model)[0], tokens)
+    return lambda: run()[0]  # type: ignore[index]
 
 
 def forward_prefill_of(forward: LlamaForward, tokens: int) -> Callable[[], object]:
