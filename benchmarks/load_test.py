@@ -335,9 +335,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     if busy:  # where the pass thread's time went, as a share of each phase's wall time
         # One group of bars per server, a gap between groups: the ticks name the level, the server under its group.
         names = list(dict.fromkeys(name for name, _, _ in busy))
-        x: list[int] = []
-        for i, (name, _, _) in enumerate(busy):
-            x.append(x[-1] + (1 if busy[i - 1][0] == name else 2) if x else 0)
+        x = [i + names.index(name) for i, (name, _, _) in enumerate(busy)]  # busy runs server by server
         bottom = [0.0] * len(busy)
         seen = {kind for _, _, phase in busy for kind in phase["pass_thread_s"]}
         for kind in [k for k in PASS_KINDS if k in seen] + sorted(seen - set(PASS_KINDS)):  # and older runs' kinds
