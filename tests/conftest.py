@@ -71,3 +71,13 @@ def draft_dir(tmp_path_factory, draft_model, tokenizer):
     draft_model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def python_loop(monkeypatch):
+    """LlamaForward's decoder layers through its Python loop, not the native decoder: for mutants that patch the
+    loop's Python helpers (_padded_stack, packed products), which the native decoder does not call. The native
+    decoder is the same function bit for bit (tests/core/test_native.py)."""
+    from specops.core import native
+
+    monkeypatch.setattr(native, "extension", lambda: None)

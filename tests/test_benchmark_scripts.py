@@ -50,11 +50,13 @@ MUTANTS = {"rotates the other way": ("return x * cos + torch.cat(", "return x * 
 
 
 @pytest.mark.parametrize("mutant", [None, *MUTANTS])
-def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(tmp_path, mutant):
+def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(request, tmp_path, mutant):
     """The same llama.py in another folder: every case bitwise equal; a mutant of it: none (the comparison
-    must be able to fail, each forward on caches of its own)."""
+    must be able to fail, each forward on caches of its own). The mutants change the Python loop, so both
+    forwards run it (the native decoder is that loop bit for bit: tests/core/test_native.py)."""
     text = (Path(__file__).parents[1] / "specops" / "core" / "llama.py").read_text()
     if mutant is not None:
+        request.getfixturevalue("python_loop")
         old, new = MUTANTS[mutant]
         assert text.count(old) == 1
         text = text.replace(old, new)

@@ -14,6 +14,10 @@ pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNor
 its eager attention for decoding passes and SDPA for a prompt's prefill), so eager logits match its
 forward; compiled ones differ by kernel rounding, the same for every pass of the same shape, which is
 what batch invariance needs (specops.core.kv).
+
+Eager passes run their layers in C++ where the native decoder is built (specops.core.native: the same ATen
+ops in the same order, so the same bits, without ~45 Python dispatches a layer and without the GIL); the
+Python loop (`_layers_python`) is what torch.compile traces and what runs without a compiler.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import functools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specops.core import native
 from specops.core.packed_linear import linear, pack
 from specops.core.types import MIN_ROWS
 
@@ -102,6 +107,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def hidden_slots(visible: torch.Tensor) -> torch.Tensor:
+    """Visibility [B, 1, W, L] -> the slots each row does not see, [B, 1, 1, W, L]: attention's mask, broadcast
+    over the query heads that share a key head."""
+    return ~visible[:, :, None]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -164,6 +175,8 @@ class LlamaForward(nn.Module):
         self.packed = _Packed([pack(w) for w in self.qkv], [pack(w) for w in self.o], [pack(w) for w in self.gate_up],
                               [pack(w) for w in self.down])
         self.packing = True  # False: F.linear on the plain weights, the same values (A/B timing: benchmarks/packed_linear.py)
+        self.use_native = True  # False: the Python loop, the same values (A/B timing: benchmarks/batched_pass.py)
+        self._native_decoder: tuple[_Packed, Any] | None = None  # built at the first pass that runs it (_native)
 
     @property
     def num_layers(self) -> int:
@@ -236,9 +249,19 @@ class LlamaForward(nn.Module):
         cos = torch.cat([segment.cos[segment.pos] for segment in segments] + [segments[0].cos[pad]])
         sin = torch.cat([segment.sin[segment.pos] for segment in segments] + [segments[0].sin[pad]])
         plan = _AttentionPlan(self, segments, sizes, n)
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         ids = torch.cat([segment.ids for segment in segments])
         x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
+        native_loop = self._native()
+        if native_loop is not None:
+            return native_loop.run(x, cos, sin, plan.for_native(), layers, self._packs())
+        return self._layers_python(x, cos, sin, plan, layers)
+
+    def _layers_python(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _AttentionPlan,
+                       layers: int) -> list[torch.Tensor]:
+        """The decoder layers as Python dispatches them: what torch.compile traces, where the native decoder
+        (native_decoder.cpp, which mirrors this loop op for op) is not built, and its reference in the tests."""
+        n = x.shape[0]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         packed = self._packed_or_none()
         captured = []
         for i in range(layers):
@@ -249,7 +272,7 @@ class LlamaForward(nn.Module):
             qk = rotate(qk.transpose(0, 1), cos, sin)
             q, k = qk[: self.heads], qk[self.heads:]
             v = qkv[:, q_size + kv_size:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            for j, (segment, rows) in enumerate(zip(segments, plan.rows, strict=True)):
+            for j, (segment, rows) in enumerate(zip(plan.segments, plan.rows, strict=True)):
                 if segment.branches is None:
                     segment.keys[i].index_copy_(1, segment.pos, k[:, rows])
                     segment.values[i].index_copy_(1, segment.pos, v[:, rows])
@@ -264,6 +287,22 @@ class LlamaForward(nn.Module):
             x = x + linear(F.silu(gate) * up, self.down[i], packed.down[i])
             captured.append(x)
         return captured
+
+    def _native(self) -> Any:
+        """The native decoder over this model's weights (specops.core.native), or None where the Python loop
+        runs: the extension not built (or SPECOPS_NATIVE=0), `use_native` off, torch.compile tracing, or
+        autograd recording (the extension's ops would record no graph)."""
+        if not self.use_native or torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return None
+        extension = native.extension()
+        if extension is None:
+            return None
+        # Built over the packed weights it is given: rebuilt if they are swapped (an A/B of packings).
+        if self._native_decoder is None or self._native_decoder[0] is not self.packed:
+            self._native_decoder = self.packed, extension.Decoder(
+                list(self.attn_norm), list(self.mlp_norm), list(self.qkv), list(self.o), list(self.gate_up),
+                list(self.down), *self.packed, self.eps, self.heads, self.kv_heads, self.head_dim)
+        return self._native_decoder[1]
 
     def _packs(self) -> bool:
         """Whether this pass runs the packed weights: not while torch.compile traces (it must not see oneDNN's
@@ -292,12 +331,18 @@ class LlamaForward(nn.Module):
         and in bf16 a row comes out bitwise the same whatever the query count W and the batch B (checked on
         this CPU for SmolLM2's head shapes; fp32 rows change with the shape, and so do some of SDPA's flash
         kernel's rows with W)."""
+        return self.masked_attention(q, keys, values, hidden_slots(visible))
+
+    def masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         hidden: torch.Tensor) -> torch.Tensor:
+        """`attention` with the slots a row does not see given as `hidden` [B, 1, 1, W, L] (hidden_slots), as a
+        pass's attention plan holds them: built once a pass, not once a layer. Mirrored by native_decoder.cpp."""
         b, _, w, d = q.shape
         groups = self.heads // self.kv_heads
         # GQA by folding each kv head's query heads into rows, not by repeating the keys (a copy per pass).
         # In place on the product's fresh output: the same values without a copy of the scores per step.
         scores = torch.matmul(q.reshape(b, self.kv_heads, groups * w, d), keys.transpose(-1, -2)).mul_(d ** -0.5)
-        scores = scores.view(b, self.kv_heads, groups, w, -1).masked_fill_(~visible[:, :, None], float("-inf"))
+        scores = scores.view(b, self.kv_heads, groups, w, -1).masked_fill_(hidden, float("-inf"))
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights.view(b, self.kv_heads, groups * w, -1), values).view(b, self.heads, w, d)
 
@@ -337,7 +382,7 @@ class _Group(NamedTuple):
     batch: int  # caches attended in (members, or a tree's branches)
     width: int  # query rows per cache: the widest's
     take: torch.Tensor  # [batch * width] the pass row of each query slot (a cache's first row pads it)
-    visible: torch.Tensor  # [batch, 1, width, length]
+    hidden: torch.Tensor  # [batch, 1, 1, width, length]: the slots each query slot does not see (hidden_slots)
     keep: torch.Tensor  # the query slots holding real rows, in pass order
     out: torch.Tensor  # the pass rows they fill
 
@@ -411,7 +456,7 @@ class _AttentionPlan:
             visible.append(self.forward.visibility(torch.cat([pos, pos[:1].expand(width - len(real))]), length))
             keep += range(b * width, b * width + len(real))
             out += real
-        return _Group(members, batch, width, torch.tensor(take), torch.stack(visible)[:, None],
+        return _Group(members, batch, width, torch.tensor(take), hidden_slots(torch.stack(visible)[:, None]),
                       torch.tensor(keep), torch.tensor(out))
 
     def _branches(self, j: int, start: int) -> _Group:
@@ -422,6 +467,20 @@ class _AttentionPlan:
         rows = [torch.nonzero(owner == b).flatten() for b in range(batch)]
         return self._group_of([j], batch, [(r + start).tolist() for r in rows], [segment.pos[r] for r in rows],
                               segment.keys[0].shape[2])
+
+    def for_native(self) -> Any:
+        """This plan as the native decoder takes it (native_decoder.cpp's Plan)."""
+        extension = native.extension()
+        assert extension is not None
+        sequences = []
+        for j, (segment, rows) in enumerate(zip(self.segments, self.rows, strict=True)):
+            branch, slot, row = self.writes.get(j, (None, None, None))
+            sequences.append(extension.Sequence(segment.keys, segment.values, segment.pos, rows.start,
+                                                rows.stop - rows.start, branch, slot, row))
+        groups = [extension.Group(g.members, g.batch, g.width, g.take, g.hidden, g.keep, g.out,
+                                  self.segments[g.members[0]].branches is not None) for g in self.groups]
+        flash = [extension.Flash(j, end, mask) for j, (end, mask) in self.flash.items()]
+        return extension.Plan(sequences, groups, flash, self.uniform)
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention outputs [heads, n, D] for the pass's queries q [heads, n, D] at `layer` (padding rows 0)."""
@@ -449,9 +508,9 @@ class _AttentionPlan:
         elif len(segments) == 1:
             keys, values = segments[0].keys[layer][None], segments[0].values[layer][None]
         else:
-            keys = _padded_stack([s.keys[layer] for s in segments], group.visible.shape[-1])
-            values = _padded_stack([s.values[layer] for s in segments], group.visible.shape[-1])
-        return self.forward.attention(queries, keys, values, group.visible)
+            keys = _padded_stack([s.keys[layer] for s in segments], group.hidden.shape[-1])
+            values = _padded_stack([s.values[layer] for s in segments], group.hidden.shape[-1])
+        return self.forward.masked_attention(queries, keys, values, group.hidden)
 
 
 def _padded_stack(caches: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]  # specops/
 REPO = PACKAGE.parent
 STAGE_FILES = {"dvc.yaml": "specops.pipeline.stages", "osd/dvc.yaml": "specops.pipeline.osd_steps"}
+# Code a module runs that is not Python: listed beside the module wherever it is (a folder listed whole has it).
+COMPANIONS = {"specops/core/native.py": ["specops/core/native_decoder.cpp"]}
 # Stage name in a dvc.yaml -> function in its stage file (the OSD stages are `osd_<step>`).
 STAGE_FUNCTIONS = {"dvc.yaml": lambda stage: stage, "osd/dvc.yaml": lambda stage: stage.removeprefix("osd_")}
 
@@ -104,7 +106,7 @@ def stage_deps(stage_module: str, function: str) -> list[str]:
             deps.append(str(folder.relative_to(REPO)))
         else:
             deps += sorted(str(f.relative_to(REPO)) for f in files if f.parent == folder)
-    return sorted(deps)
+    return sorted(deps + [companion for dep in deps for companion in COMPANIONS.get(dep, [])])
 
 
 def main() -> None:

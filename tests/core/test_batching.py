@@ -107,7 +107,7 @@ def test_padding_a_cache_across_1024_slots_changes_rows_and_on_either_side_does_
         pytest.skip("Padding across 1024 slots changes no row on this CPU.")
 
 
-def test_caches_padded_with_anything_but_zeros_differ(monkeypatch):
+def test_caches_padded_with_anything_but_zeros_differ(monkeypatch, python_loop):
     """Mutant: padding left as it comes (NaN here): masked slots weigh exactly 0, but 0 x NaN is NaN."""
     def padded_with_nan(caches: list[torch.Tensor], length: int) -> torch.Tensor:
         return torch.stack([F.pad(cache, (0, 0, 0, length - cache.shape[1]), value=float("nan")) for cache in caches])
@@ -116,7 +116,7 @@ def test_caches_padded_with_anything_but_zeros_differ(monkeypatch):
     assert not packed_rows_equal_alone(tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16))
 
 
-def test_caches_padded_before_their_slots_differ(monkeypatch):
+def test_caches_padded_before_their_slots_differ(monkeypatch, python_loop):
     """Mutant: padding placed before a cache's slots instead of after moves its keys off the slots its rows
     see; the packed rows then leave what they are alone."""
     def padded_before(caches: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -203,14 +203,14 @@ CASES = [("greedy", SamplingParams()), ("coupled", SamplingParams(0.9, 0.95)), (
 def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch, attention):
     if attention == "per cache length":  # as on a CPU where padding would change a row
         monkeypatch.setattr(LlamaForward, "pads_exactly", False)
-    stacked = llama._padded_stack
-    mixed: list[bool] = []  # per stacked call: did it pad caches of several lengths?
+    group_of = _AttentionPlan._group_of
+    mixed: list[bool] = []  # per attention call planned: over caches of several lengths (padded)?
 
-    def counting(caches: list[torch.Tensor], length: int) -> torch.Tensor:
-        mixed.append(len({cache.shape[1] for cache in caches}) > 1)
-        return stacked(caches, length)
+    def counting(plan: _AttentionPlan, members: list[int], *args) -> object:
+        mixed.append(len({plan.segments[j].keys[0].shape[-2] for j in members}) > 1)
+        return group_of(plan, members, *args)
 
-    monkeypatch.setattr(llama, "_padded_stack", counting)
+    monkeypatch.setattr(_AttentionPlan, "_group_of", counting)
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
     assert llama_forward(target.model)[0].pads_exactly == (attention == "padded")
     draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)  # wide enough to batch its passes too

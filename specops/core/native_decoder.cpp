@@ -1,0 +1,228 @@
+// LlamaForward's decoder layers for one pass, in C++ (specops/core/native.py): the same ATen ops on the same
+// tensors in the same order as the Python loop in specops/core/llama.py (LlamaForward._layers_python and
+// _AttentionPlan.attend), so every output and every cache write is bitwise the Python loop's. What changes is
+// who dispatches them: ~45 ops a layer from Python cost a few microseconds each and took the GIL back after
+// each one, which a batched server's generation threads (verifying, streaming, drafting in Python) hold much
+// of the time; here a pass holds no GIL from its first layer to its last.
+//
+// The plan of a pass (which rows are whose, which caches attend together, the visibility masks) is built in
+// Python once per pass (_AttentionPlan) and handed over as the plain structs below.
+
+#include <ATen/ScalarOps.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using at::indexing::Slice;
+using OptionalTensor = std::optional<Tensor>;
+
+// One sequence's rows in the pass: rows start..start+size at cache slots `pos`; a tree's rows are written to
+// branch caches instead (keys[layer][branch, :, slot] = row), as llama.Branches says.
+struct Sequence {
+  std::vector<Tensor> keys, values;  // per layer: [kv_heads, length, D], or a tree's [branches, kv_heads, length, D]
+  Tensor pos;
+  int64_t start, size;
+  OptionalTensor branch, slot, row;  // a tree's writes: pass row row[i] goes to branch[i] at slot[i]
+};
+
+// Sequences (or one tree's branches) attending in one call: llama._Group.
+struct Group {
+  std::vector<int64_t> members;  // indices into the pass's sequences (a tree: its one)
+  int64_t batch, width;
+  Tensor take, hidden, keep, out;  // hidden: ~visible[:, :, None], [batch, 1, 1, width, length]
+  bool tree;
+};
+
+// A long sequence (a prefill) attending alone through SDPA over its first `end` slots: mask None is causal.
+struct Flash {
+  int64_t sequence, end;
+  OptionalTensor mask;
+};
+
+struct Plan {
+  std::vector<Sequence> sequences;
+  std::vector<Group> groups;
+  std::vector<Flash> flash;
+  bool uniform;  // one group, every sequence `width` rows, no padding rows: no gather or scatter
+};
+
+// A Python number as Python passes it to an op: a double "wrapped number" tensor, which a bf16 op reads in its
+// float opmath. (`Tensor::mul_(Scalar)` from C++ rounds the number to the tensor's dtype first: 0.1767... as a
+// bf16 scale rounded the attention scores differently from Python's `mul_(d ** -0.5)`.)
+Tensor number(double value) {
+  Tensor out = at::scalar_to_tensor(value);
+  out.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return out;
+}
+
+// mkldnn::_linear_pointwise on a weight packed by specops.core.packed_linear.pack, as _packed_product calls it.
+Tensor packed_product(const Tensor& x, const Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view,
+                                     c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+Tensor product(const Tensor& x, const Tensor& weight, const OptionalTensor& packed) {
+  return packed ? packed_product(x, *packed) : at::linear(x, weight);
+}
+
+// llama.rms_norm: the statistics in float32, the scale in the model dtype.
+Tensor llama_rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + number(eps));
+  return weight * h.to(x.scalar_type());
+}
+
+// llama.rotate.
+Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
+}
+
+// llama._padded_stack.
+Tensor padded_stack(const std::vector<Tensor>& caches, int64_t length) {
+  bool same = true;
+  for (const Tensor& cache : caches) same = same && cache.size(1) == length;
+  if (same) return at::stack(caches);
+  Tensor out = caches[0].new_zeros({static_cast<int64_t>(caches.size()), caches[0].size(0), length, caches[0].size(2)});
+  for (size_t i = 0; i < caches.size(); ++i) out[i].slice(1, 0, caches[i].size(1)).copy_(caches[i]);
+  return out;
+}
+
+class Decoder {
+ public:
+  Decoder(std::vector<Tensor> attn_norm, std::vector<Tensor> mlp_norm, std::vector<Tensor> qkv, std::vector<Tensor> o,
+          std::vector<Tensor> gate_up, std::vector<Tensor> down, std::vector<OptionalTensor> qkv_packed,
+          std::vector<OptionalTensor> o_packed, std::vector<OptionalTensor> gate_up_packed,
+          std::vector<OptionalTensor> down_packed, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim)
+      : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), qkv_(std::move(qkv)), o_(std::move(o)),
+        gate_up_(std::move(gate_up)), down_(std::move(down)), qkv_packed_(std::move(qkv_packed)),
+        o_packed_(std::move(o_packed)), gate_up_packed_(std::move(gate_up_packed)),
+        down_packed_(std::move(down_packed)), eps_(eps), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim) {}
+
+  // The first `layers` layers over x [n, H] (rows already embedded, padded rows included) with the rows' rotary
+  // tables cos, sin [n, D]; each layer's output [n, H]. `packed`: the products on the packed weights.
+  std::vector<Tensor> run(Tensor x, const Tensor& cos, const Tensor& sin, Plan& plan, int64_t layers,
+                          bool packed) const {
+    const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const OptionalTensor none;
+    std::vector<Tensor> captured;
+    captured.reserve(layers);
+    for (int64_t i = 0; i < layers; ++i) {
+      Tensor h = llama_rms_norm(x, attn_norm_[i], eps_);
+      Tensor qkv = product(h, qkv_[i], packed ? qkv_packed_[i] : none);
+      Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, heads_ + kv_heads_, head_dim_});
+      qk = rotate(qk.transpose(0, 1), cos, sin);
+      Tensor q = qk.slice(0, 0, heads_), k = qk.slice(0, heads_);
+      Tensor v = qkv.slice(1, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
+      for (Sequence& s : plan.sequences) {
+        if (!s.branch) {
+          s.keys[i].index_copy_(1, s.pos, k.slice(1, s.start, s.start + s.size));
+          s.values[i].index_copy_(1, s.pos, v.slice(1, s.start, s.start + s.size));
+        } else {
+          s.keys[i].index_put_({*s.branch, Slice(), *s.slot}, k.index_select(1, *s.row).transpose(0, 1));
+          s.values[i].index_put_({*s.branch, Slice(), *s.slot}, v.index_select(1, *s.row).transpose(0, 1));
+        }
+      }
+      Tensor att = attend(q, i, plan, n);
+      x = x + product(att.transpose(0, 1).reshape({n, q_size}), o_[i], packed ? o_packed_[i] : none);
+      h = llama_rms_norm(x, mlp_norm_[i], eps_);
+      std::vector<Tensor> gate_up = product(h, gate_up_[i], packed ? gate_up_packed_[i] : none).chunk(2, -1);
+      x = x + product(at::silu(gate_up[0]) * gate_up[1], down_[i], packed ? down_packed_[i] : none);
+      captured.push_back(x);
+    }
+    return captured;
+  }
+
+ private:
+  // _AttentionPlan.attend: attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`.
+  Tensor attend(const Tensor& q, int64_t layer, const Plan& plan, int64_t n) const {
+    if (plan.uniform) {
+      const Group& group = plan.groups[0];
+      Tensor queries = q.view({heads_, group.batch, group.width, head_dim_}).transpose(0, 1);
+      return attend_group(queries, group, layer, plan).transpose(0, 1).reshape({heads_, n, head_dim_});
+    }
+    Tensor att = q.new_zeros({heads_, n, head_dim_});
+    for (const Group& group : plan.groups) {
+      Tensor queries = q.index_select(1, group.take).view({heads_, group.batch, group.width, head_dim_}).transpose(0, 1);
+      Tensor result = attend_group(queries, group, layer, plan).transpose(0, 1).reshape({heads_, -1, head_dim_});
+      att.index_copy_(1, group.out, result.index_select(1, group.keep));
+    }
+    for (const Flash& flash : plan.flash) {
+      const Sequence& s = plan.sequences[flash.sequence];
+      att.slice(1, s.start, s.start + s.size)
+          .copy_(at::scaled_dot_product_attention(
+                     q.unsqueeze(0).slice(2, s.start, s.start + s.size), s.keys[layer].unsqueeze(0).slice(2, 0, flash.end),
+                     s.values[layer].unsqueeze(0).slice(2, 0, flash.end), flash.mask, 0.0, !flash.mask.has_value(),
+                     std::nullopt, true)
+                     .select(0, 0));
+    }
+    return att;
+  }
+
+  // _AttentionPlan._group.
+  Tensor attend_group(const Tensor& queries, const Group& group, int64_t layer, const Plan& plan) const {
+    Tensor keys, values;
+    if (group.tree) {
+      const Sequence& s = plan.sequences[group.members[0]];
+      keys = s.keys[layer].slice(0, 0, group.batch);
+      values = s.values[layer].slice(0, 0, group.batch);
+    } else if (group.members.size() == 1) {
+      const Sequence& s = plan.sequences[group.members[0]];
+      keys = s.keys[layer].unsqueeze(0);
+      values = s.values[layer].unsqueeze(0);
+    } else {
+      std::vector<Tensor> member_keys, member_values;
+      for (int64_t j : group.members) {
+        member_keys.push_back(plan.sequences[j].keys[layer]);
+        member_values.push_back(plan.sequences[j].values[layer]);
+      }
+      const int64_t length = group.hidden.size(-1);
+      keys = padded_stack(member_keys, length);
+      values = padded_stack(member_values, length);
+    }
+    return attention(queries, keys, values, group.hidden);
+  }
+
+  // LlamaForward.attention, with the masked slots given as `hidden` (~visible[:, :, None]).
+  Tensor attention(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& hidden) const {
+    const int64_t b = q.size(0), w = q.size(2), d = q.size(3), groups = heads_ / kv_heads_;
+    Tensor scores = at::matmul(q.reshape({b, kv_heads_, groups * w, d}), keys.transpose(-1, -2))
+                        .mul_(number(std::pow(static_cast<double>(d), -0.5)));
+    scores = scores.view({b, kv_heads_, groups, w, -1}).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+    Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+    return at::matmul(weights.view({b, kv_heads_, groups * w, -1}), values).view({b, heads_, w, d});
+  }
+
+  std::vector<Tensor> attn_norm_, mlp_norm_, qkv_, o_, gate_up_, down_;
+  std::vector<OptionalTensor> qkv_packed_, o_packed_, gate_up_packed_, down_packed_;
+  double eps_;
+  int64_t heads_, kv_heads_, head_dim_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Sequence>(m, "Sequence")
+      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, Tensor, int64_t, int64_t, OptionalTensor, OptionalTensor,
+                    OptionalTensor>());
+  py::class_<Group>(m, "Group")
+      .def(py::init<std::vector<int64_t>, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, bool>());
+  py::class_<Flash>(m, "Flash").def(py::init<int64_t, int64_t, OptionalTensor>());
+  py::class_<Plan>(m, "Plan")
+      .def(py::init<std::vector<Sequence>, std::vector<Group>, std::vector<Flash>, bool>());
+  py::class_<Decoder>(m, "Decoder")
+      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
+                    std::vector<Tensor>, std::vector<Tensor>, std::vector<OptionalTensor>, std::vector<OptionalTensor>,
+                    std::vector<OptionalTensor>, std::vector<OptionalTensor>, double, int64_t, int64_t, int64_t>())
+      // The pass runs without the GIL: the arguments are converted before it is released.
+      .def("run", &Decoder::run, py::call_guard<py::gil_scoped_release>());
+}
