@@ -15,7 +15,10 @@ A phase of 32 requests at 8 users lasts ~15 s, and on a shared 2-core machine th
 throughput moves by 20-30% from one run to the next (the champion over drafting off at 8 users read
 0.78x in one run, 1.22x and 1.07x in the next two, same protocol, nothing else running). `--rounds N`
 repeats everything on fresh servers and reports per-level medians, with every server's throughput over
-the first's, round by round.
+the first's, round by round. A phase whose client and server together kept fewer than `--min-cores-busy` (0.8)
+of the cores busy is starved: on this shared VM another tenant sometimes takes a core for minutes, and such a
+phase ran at about half speed (its cores_busy 0.53-0.54 against 0.94-0.97 for the phases around it). It stays
+in the JSON, flagged, but the medians and ratios leave it out where another round ran it unstarved.
 
     .venv/bin/python benchmarks/load_test.py --concurrency 1 2 4 8 16 --requests 32 --max-tokens 64 \
         --fresh-prompts --rounds 3 --out benchmarks/results/load_test_rounds.json
@@ -295,6 +298,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkout", nargs="+", default=[], metavar="NAME=PATH",
                         help="serve NAME with the specops package of another checkout (`git worktree add PATH "
                              "COMMIT`), to compare two versions of the code side by side in one run")
+    parser.add_argument("--min-cores-busy", type=float, default=0.8,
+                        help="a phase whose client and server kept less than this share of the cores busy is "
+                             "starved (on a shared machine another tenant took a core): recorded, but left out of "
+                             "the medians and ratios where another round ran it unstarved")
     parser.add_argument("--out", default="benchmarks/results/load_test.json")
     args = parser.parse_args(argv)
     names = {spec.partition("=")[0] for spec in args.servers}
@@ -380,13 +387,15 @@ def run_round(args: argparse.Namespace, pool: list[list[dict[str, str]]], phases
             prompts = level_prompts(pool, phase, phases)
             for server in order:
                 summary, results = run_phase(server, prompts, concurrency, args.max_tokens)
+                summary["starved"] = summary["cores_busy"] < args.min_cores_busy
                 report["results"][server.drafter][str(concurrency)] = summary
                 texts[server.drafter][concurrency] = [r.text for r in results]
                 print(f"{server.drafter:>14} c={concurrency:<3}: {summary['throughput_tok_s']:7.2f} tok/s, "
                       f"p50 {summary['latency_p50_s']} s, p99 {summary['latency_p99_s']} s, "
                       f"TTFT p99 {summary['ttft_p99_s']} s, errors {summary['errors']}, rows {summary['rows_logged']}, "
                       f"CPU s client {summary['client_cpu_s']} server {summary['server_cpu_s']}, "
-                      f"pass thread busy {summary['pass_thread_busy']} {summary['pass_thread_s']}", flush=True)
+                      f"pass thread busy {summary['pass_thread_busy']} {summary['pass_thread_s']}"
+                      f"{' STARVED (left out of the medians)' if summary['starved'] else ''}", flush=True)
         sampler.stop.set()
         report["memory"] = {
             server.drafter: {"budget_mib": memory_budget_mib(spec), "max_rss_sampled_mib": sampler.max_rss[server.drafter],
@@ -425,18 +434,24 @@ def median_of(values: list[Any]) -> float | None:
     return round(statistics.median(numbers), 4) if numbers else None
 
 
+def unstarved(phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The phases whose processes had the cores (`starved` false), or all of them if none had."""
+    return [phase for phase in phases if not phase.get("starved")] or phases
+
+
 def combine(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per server and concurrency: counts summed over the rounds, other numbers their median (per key, in a
-    dict of numbers such as the pass thread's seconds by kind), and every round's throughput (a shared
-    machine moves a round by tens of percent; the median resists one bad round)."""
+    """Per server and concurrency: counts summed over the rounds, other numbers their median over the rounds
+    not starved (per key, in a dict of numbers such as the pass thread's seconds by kind), and every round's
+    throughput (a shared machine moves a round by tens of percent; the median resists one bad round)."""
     combined: dict[str, dict[str, dict[str, Any]]] = {}
     for name, levels in rounds[0]["results"].items():
         combined[name] = {}
         for level in levels:
             phases = [r["results"][name][level] for r in rounds]
+            kept = unstarved(phases)
             summary: dict[str, Any] = {}
             for field, value in phases[0].items():
-                values = [phase[field] for phase in phases]
+                values = [phase[field] for phase in (phases if field in SUMMED else kept)]
                 if field in SUMMED:
                     summary[field] = sum(values)
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -447,15 +462,20 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
                 elif field == "error_samples":
                     summary[field] = sorted({e for phase in phases for e in phase[field]})[:3]
             summary["throughput_tok_s_rounds"] = [phase["throughput_tok_s"] for phase in phases]
+            summary["starved_rounds"] = [i for i, phase in enumerate(phases) if phase.get("starved")]
             combined[name][level] = summary
     return combined
 
 
 def against(rounds: list[dict[str, Any]], baseline: str) -> dict[str, dict[str, list[float]]]:
-    """Each server's throughput over the baseline server's, per concurrency, round by round."""
-    return {name: {level: [round(r["results"][name][level]["throughput_tok_s"]
-                                 / r["results"][baseline][level]["throughput_tok_s"], 3) for r in rounds]
-                   for level in levels}
+    """Each server's throughput over the baseline server's, per concurrency, round by round: the rounds in
+    which neither phase was starved (all rounds if every one had a starved phase)."""
+    def ratios(name: str, level: str) -> list[float]:
+        pairs = [(r["results"][name][level], r["results"][baseline][level]) for r in rounds]
+        fed = [(a, b) for a, b in pairs if not a.get("starved") and not b.get("starved")] or pairs
+        return [round(a["throughput_tok_s"] / b["throughput_tok_s"], 3) for a, b in fed]
+
+    return {name: {level: ratios(name, level) for level in levels}
             for name, levels in rounds[0]["results"].items() if name != baseline}
 
 

@@ -13,7 +13,15 @@ import torch
 from PIL import Image
 
 from benchmarks.batched_pass import checkout_forward, compare, lengths_of, pass_of, prefill_of, product_flops
-from benchmarks.load_test import code_version, combine, level_prompts, parse_args, plot, process_cpu_s
+from benchmarks.load_test import (
+    against,
+    code_version,
+    combine,
+    level_prompts,
+    parse_args,
+    plot,
+    process_cpu_s,
+)
 from tests.conftest import tiny_llama
 
 
@@ -144,3 +152,33 @@ def test_rounds_combine_per_key_and_the_plot_shows_where_the_pass_thread_went(tm
         plot({"config": {"concurrency": [1]}, "results": results}, tmp_path / f"{name}.png")
         widths[name] = Image.open(tmp_path / f"{name}.png").size[0]
     assert widths["with"] > 1.4 * widths["without"]
+
+
+def starved_rounds() -> list[dict]:
+    """Three rounds of two servers at one level; in round 2 the batched server's phase lost a core."""
+    def phase(tok_s: float, starved: bool) -> dict:
+        return {"requests": 32, "errors": 0, "throughput_tok_s": tok_s, "cores_busy": 0.54 if starved else 0.96,
+                "starved": starved, "error_samples": []}
+
+    return [{"results": {"serial": {"8": phase(50.0, False)}, "batched": {"8": phase(tok_s, starved)}}}
+            for tok_s, starved in ((150.0, False), (60.0, True), (140.0, False))]
+
+
+def test_a_starved_phase_is_kept_but_left_out_of_medians_and_ratios():
+    rounds = starved_rounds()
+    combined = combine(rounds)["batched"]["8"]
+    assert combined["throughput_tok_s"] == 145.0 and combined["cores_busy"] == 0.96
+    assert combined["requests"] == 96 and combined["starved_rounds"] == [1]  # counts and the record keep every round
+    assert combined["throughput_tok_s_rounds"] == [150.0, 60.0, 140.0]
+    assert against(rounds, "serial")["batched"]["8"] == [3.0, 2.8]
+    every_round_starved = [{"results": {n: {"8": {**p["8"], "starved": True}} for n, p in r["results"].items()}}
+                           for r in rounds]
+    assert combine(every_round_starved)["batched"]["8"]["throughput_tok_s"] == 140.0  # none unstarved: all count
+
+
+def test_a_median_over_starved_phases_is_another_median(monkeypatch):
+    """Mutant: the starved flag ignored (every phase kept)."""
+    import benchmarks.load_test as load_test
+
+    monkeypatch.setattr(load_test, "unstarved", lambda phases: phases)
+    assert combine(starved_rounds())["batched"]["8"]["throughput_tok_s"] != 145.0
