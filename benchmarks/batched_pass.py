@@ -1,9 +1,11 @@
 """Where a batched target pass's time goes: `LlamaForward.forward_many` over sequences of given cache lengths
 and rows, the target in bf16 (as the server batches it), timed alone; optionally with torch's profiler.
 
-The sequences attend in one call per layer, their caches padded to the longest (specops.core.llama.
-_AttentionPlan; one call per cache length where LlamaForward.pads_exactly fails), so a pass over sequences of
-several lengths costs what one over the longest does.
+Where the native decoder is built, each sequence attends over its own cache in place (native_attention.cpp);
+in the Python loop the sequences attend in one call per layer, their caches padded to the longest
+(specops.core.llama._AttentionPlan; one call per cache length where LlamaForward.pads_exactly fails).
+`--attention` times one layer's attention of each case both ways, side by side: the kernel against the Python
+loop's ATen attention, with the largest difference between their outputs (they round differently).
 
 `--prefills` times a prompt's prefill (which a server runs alone on its pass thread) at those lengths, with
 the rate of its weight products in GFLOP/s beside that of one large bf16 product on the same threads: how
@@ -15,6 +17,7 @@ that their outputs are bitwise equal: a change meant to be faster and to round a
 
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5 --prefills 128 256
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 5 --prefills 192 --checkout /tmp/old
+    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 3 5 --attention
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from pathlib import Path
 
 import torch
 
+from specops.core import native
 from specops.core.kv import StaticLM
-from specops.core.llama import LlamaForward, Segment, llama_forward
+from specops.core.llama import LlamaForward, Segment, _AttentionPlan, llama_forward
 from specops.core.target import load_target
 
 try:  # imported as benchmarks.batched_pass (the tests), or run as a script from benchmarks/
@@ -84,6 +88,47 @@ def runs_of(model: torch.nn.Module, lengths: list[int], rows: int,
         runs.append(warmed(lambda forward=forward, segments=segments: (
             forward.forward_many(segments), [s.keys for s in segments], [s.values for s in segments])))
     return runs
+
+
+def attention_runs(model: torch.nn.Module, lengths: list[int], rows: int) -> list[Callable[[], torch.Tensor]]:
+    """Layer 0's attention of one pass of `rows` rows per sequence (caches_of's caches, random queries): through
+    the native kernel, as the C++ loop calls it, and through the Python loop's ATen attention
+    (_AttentionPlan.attend: the caches stacked and padded), each warmed up, returning [heads, rows, D]."""
+    kernel = native.extension()
+    if kernel is None:
+        raise SystemExit("--attention times the native decoder's kernel, which is not built here (make setup).")
+    forward = llama_forward(model)[0]
+    segments = [Segment(torch.full((rows,), 42), torch.arange(lm.length, lm.length + rows), lm.keys, lm.values,
+                        *forward.tables(lm.keys[0].shape[1])) for lm in caches_of(model, lengths)]
+    n = rows * len(segments)
+    q = torch.randn(forward.heads, n, forward.head_dim, generator=torch.Generator().manual_seed(0)).to(forward.dtype)
+    plan = _AttentionPlan(forward, segments, [rows] * len(segments), n)
+    ends = [forward.visible_ends(s.pos, s.keys[0].shape[-2]) for s in segments]
+    starts = [j * rows for j in range(len(segments))]
+
+    def through_kernel() -> torch.Tensor:
+        out = q.new_zeros(q.shape)
+        kernel.attend_rows(q, out, [s.keys[0] for s in segments], [s.values[0] for s in segments], starts, ends,
+                           [None] * len(segments))
+        return out
+
+    return [warmed(through_kernel), warmed(lambda: plan.attend(q, 0))]  # type: ignore[list-item]
+
+
+def compare_attention(model: torch.nn.Module, cases: list[str], rows: list[int], repeats: int) -> list[dict]:
+    """The kernel against ATen's attention, case by case: both medians in µs, ATen/kernel, the largest difference."""
+    out = []
+    for case in cases:
+        for n in rows:
+            runs = attention_runs(model, lengths_of(case), n)
+            (kernel_s, aten_s), _ = side_by_side(runs, repeats)  # type: ignore[arg-type]
+            difference = (runs[0]().float() - runs[1]().float()).abs().max().item()
+            out.append({"case": f"{case} x{n} rows", "kernel_us": round(kernel_s * 1e6, 1),
+                        "aten_us": round(aten_s * 1e6, 1), "aten_over_kernel": round(aten_s / kernel_s, 2),
+                        "max_abs_difference": difference})
+            print(f"attention, {case} x{n} rows: kernel {kernel_s * 1e6:.1f} us, ATen {aten_s * 1e6:.1f} us, "
+                  f"ATen/kernel {aten_s / kernel_s:.2f}, largest difference {difference:.2e}", flush=True)
+    return out
 
 
 def warmed(run: Callable[[], object]) -> Callable[[], object]:
@@ -194,6 +239,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--profile", action="store_true", help="print torch's profile of the last case's passes")
+    parser.add_argument("--attention", action="store_true",
+                        help="also time each case's attention for one layer: the native kernel against ATen's")
     parser.add_argument("--checkout", type=Path, default=None,
                         help="time another checkout's forward beside this one's, interleaved, and compare outputs")
     parser.add_argument("--out", default=None,
@@ -248,8 +295,10 @@ def main() -> None:
             profiled = [{"op": op.key, "self_cpu_share": round(op.self_cpu_time_total / total, 4), "calls": op.count}
                         for op in ops[:20]]
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        attention = compare_attention(model, args.cases, args.rows, args.repeats) if args.attention else []
     Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "results": results,
-                                          "prefills": prefills, "profile_of_last_case": profiled}, indent=2) + "\n")
+                                          "prefills": prefills, "attention": attention,
+                                          "profile_of_last_case": profiled}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

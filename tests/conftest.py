@@ -75,9 +75,9 @@ def draft_dir(tmp_path_factory, draft_model, tokenizer):
 
 @pytest.fixture
 def python_loop(monkeypatch):
-    """LlamaForward's decoder layers through its Python loop, not the native decoder: for mutants that patch the
-    loop's Python helpers (_padded_stack, packed products), which the native decoder does not call. The native
-    decoder is the same function bit for bit (tests/core/test_native.py)."""
+    """LlamaForward's decoder layers through its Python loop and ATen's attention, as on a machine without the
+    native decoder: for tests of that runtime, and mutants that patch its Python helpers (_padded_stack, the
+    attention groups), which the native decoder does not call (tests/core/test_native.py tests that one)."""
     from specops.core import native
 
     monkeypatch.setattr(native, "extension", lambda: None)

@@ -12,7 +12,15 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.batched_pass import checkout_forward, compare, lengths_of, pass_of, prefill_of, product_flops
+from benchmarks.batched_pass import (
+    checkout_forward,
+    compare,
+    compare_attention,
+    lengths_of,
+    pass_of,
+    prefill_of,
+    product_flops,
+)
 from benchmarks.load_test import (
     against,
     code_version,
@@ -50,6 +58,17 @@ def test_a_prefill_is_timed_on_the_same_slots_and_its_products_counted():
     kv = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
     per_layer = 2 * config.hidden_size ** 2 + 2 * kv * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
     assert product_flops(model) == 2 * config.num_hidden_layers * per_layer
+
+
+def test_a_case_s_attention_is_timed_through_the_kernel_and_through_aten():
+    """--attention: one layer's attention both ways, per case; the two agree up to bf16 rounding (the kernel's
+    own exactness is tests/core/test_native.py's)."""
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
+    with torch.inference_mode():
+        rows = compare_attention(model, ["128", "128,192"], [1, 3], 2)
+    assert [row["case"] for row in rows] == ["128 x1 rows", "128 x3 rows", "128,192 x1 rows", "128,192 x3 rows"]
+    assert all(row["kernel_us"] > 0 and row["aten_us"] > 0 for row in rows)
+    assert all(row["max_abs_difference"] < 0.05 for row in rows), rows
 
 
 MUTANTS = {"rotates the other way": ("return x * cos + torch.cat(", "return x * cos - torch.cat("),

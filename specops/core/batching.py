@@ -1,30 +1,32 @@
 """Continuous batching for the static runtime: the target passes of concurrent generations run as one.
 
-Each generation runs its own loop on its own thread (drafting, verification rules, its own KV cache)
-and hands its target passes to a `PassBatcher`. The batcher's pass thread collects the passes that
-arrive together and runs them as one `LlamaForward.forward_many`: the matrix products read the
-weights once for every sequence's rows, and the sequences attend in one call, their caches padded to
-the longest on each side of 1024 slots (where that changes no row: LlamaForward.pads_exactly; else one
-call per cache length). Requests join and leave between passes; each sequence keeps its own positions
-and cache length and brings only its real rows (the last committed token and its draft), so no
-sequence's rows are padded to another's count (EMS-SD, arXiv 2405.07542: its point is batching
-requests that accept different numbers of tokens without padding tokens; see
+Each generation runs its own loop on its own thread (drafting, verification rules, its own KV cache) and
+hands its target passes to a `PassBatcher`. The batcher's pass thread collects the passes that arrive
+together and runs them as one `LlamaForward.forward_many`: the matrix products read the weights once for
+every sequence's rows, and each sequence's rows attend over its own cache in place, up to each row's
+visible end (the native decoder's kernel, specops.core.native; without it the sequences attend in one ATen
+call, their caches padded to the longest on each side of 1024 slots where that changes no row:
+LlamaForward.pads_exactly, else one call per cache length). Requests join and leave between passes; each
+sequence keeps its own positions and cache length and brings only its real rows (the last committed token
+and its draft), so no sequence's rows are padded to another's count (EMS-SD, arXiv 2405.07542: its point
+is batching requests that accept different numbers of tokens without padding tokens; see
 specops.core.kv.StaticLM.forward).
 
 Exactness: a row's logits are bitwise the same alone or in any batch when neither the products nor
-attention change a row with the pass's shape. bf16 `F.linear` agreed over 2 to 96 rows for every
-SmolLM2 weight shape at 1 and 2 threads (one row can take another kernel, hence `types.MIN_ROWS`), and
-later over 1 to 1024 rows on random weights of those shapes, a row anywhere in the pass; the packed
-products the lean forward runs are F.linear's sums (specops.core.packed_linear);
-`LlamaForward.attention` agrees over query counts and batch sizes (SDPA's flash kernel did not: it
-changed rows with the query count on the real target). Both hold only while every product runs on
-oneDNN: torch sends a CPU matmul there when batch x m x n x k exceeds 16**3 and sums smaller ones
-another way, so a model whose attention for one sequence and one row falls under that size rounds now
-and then differently alone than beside others (`batch_invariant` refuses it; found on a 64-wide test
-model, whose one-sequence attention products are 16**3 exactly). fp32 products are not invariant (MKL
-picks other kernels for other row counts at 2 threads), so `batch_invariant` refuses fp32 targets too
-and a server then runs one generation at a time. tests/core/test_batching.py checks this on small
-models; benchmarks/load_test.py on the real target.
+attention change a row with the pass's shape. bf16 `F.linear` agreed over 2 to 96 rows for every SmolLM2
+weight shape at 1 and 2 threads (one row can take another kernel, hence `types.MIN_ROWS`), and later over
+1 to 1024 rows on random weights of those shapes, a row anywhere in the pass; the packed products the lean
+forward runs are F.linear's sums (specops.core.packed_linear). The native attention kernel computes a row
+from its query and its visible slots alone, whatever else is in the pass; `LlamaForward.attention` (the
+Python loop's) agrees over query counts and batch sizes as measured (SDPA's flash kernel did not: it
+changed rows with the query count on the real target). The measured ones hold only while every product
+runs on oneDNN: torch sends a CPU matmul there when batch x m x n x k exceeds 16**3 and sums smaller ones
+another way, so a model whose attention for one sequence and one row falls under that size rounds now and
+then differently alone than beside others (`batch_invariant` refuses it; found on a 64-wide test model,
+whose one-sequence attention products are 16**3 exactly). fp32 products are not invariant (MKL picks other
+kernels for other row counts at 2 threads), so `batch_invariant` refuses fp32 targets too and a server
+then runs one generation at a time. tests/core/test_batching.py checks this on small models;
+benchmarks/load_test.py on the real target.
 
 One pass thread runs every pass (prefills too, each as a pass of its own), with all the intra-op
 threads; the generation threads run theirs (verification, streaming, model-free drafting) on one. A draft

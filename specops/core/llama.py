@@ -16,8 +16,10 @@ forward; compiled ones differ by kernel rounding, the same for every pass of the
 what batch invariance needs (specops.core.kv).
 
 Eager passes run their layers in C++ where the native decoder is built (specops.core.native: the same ATen
-ops in the same order, so the same bits, without ~45 Python dispatches a layer and without the GIL); the
-Python loop (`_layers_python`) is what torch.compile traces and what runs without a compiler.
+ops in the same order for the products, norms and rotary, without ~45 Python dispatches a layer and without
+the GIL, and an attention kernel of its own that reads each cache in place up to each row's visible end,
+which rounds otherwise than the ATen attention here); the Python loop (`_layers_python`) is what
+torch.compile traces and what runs without a compiler. A process runs one or the other for every pass.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ PAD_LIMIT = 1024
 # (cache length, padded length, rows, caches) of LlamaForward.pads_exactly's check, on each side of PAD_LIMIT
 # and up to it: decoding and verification rows at the cache's last slots, which see the most keys.
 PAD_CHECKS = ((128, 192, 1, 1), (192, 448, 5, 3), (320, 1024, 3, 8), (1088, 2048, 5, 2), (2112, 8192, 1, 1))
+# What the native decoder's attention kernel takes (native_attention.cpp); other dtypes run the Python loop.
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -193,9 +197,13 @@ class LlamaForward(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
 
+    def visible_ends(self, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """How many of a cache's `length` slots each row at `pos` [n] sees, from slot 0: up to its own position."""
+        return pos + 1
+
     def visibility(self, pos: torch.Tensor, length: int) -> torch.Tensor:
-        """Causal visibility [n, length]: a row sees the cache slots up to its own position."""
-        return torch.arange(length)[None, :] <= pos[:, None]
+        """Causal visibility [n, length] (visible_ends as a mask): a row sees the slots up to its own position."""
+        return torch.arange(length)[None, :] < self.visible_ends(pos, length)[:, None]
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,10 +256,10 @@ class LlamaForward(nn.Module):
         pad = [0] * (n - real)
         cos = torch.cat([segment.cos[segment.pos] for segment in segments] + [segments[0].cos[pad]])
         sin = torch.cat([segment.sin[segment.pos] for segment in segments] + [segments[0].sin[pad]])
-        plan = _AttentionPlan(self, segments, sizes, n)
+        native_loop = self._native()
+        plan = _AttentionPlan(self, segments, sizes, n, kernel=native_loop is not None)
         ids = torch.cat([segment.ids for segment in segments])
         x = F.embedding(torch.cat([ids, ids[pad]]), self.embed)
-        native_loop = self._native()
         if native_loop is not None:
             return native_loop.run(x, cos, sin, plan.for_native(), layers, self._packs())
         return self._layers_python(x, cos, sin, plan, layers)
@@ -290,9 +298,12 @@ class LlamaForward(nn.Module):
 
     def _native(self) -> Any:
         """The native decoder over this model's weights (specops.core.native), or None where the Python loop
-        runs: the extension not built (or SPECOPS_NATIVE=0), `use_native` off, torch.compile tracing, or
-        autograd recording (the extension's ops would record no graph)."""
-        if not self.use_native or torch.compiler.is_compiling() or torch.is_grad_enabled():
+        runs: the extension not built (or SPECOPS_NATIVE=0), `use_native` off, torch.compile tracing, or a
+        dtype the attention kernel does not take (bf16 and fp32 only: fp64 test models). Grad mode does not
+        matter (the weights are frozen copies, nothing in a pass requires grad, and the C++ loop runs without
+        grad): the two runtimes attend with different rounding, and a pass run outside inference mode (a
+        test's prefill, a script's) must not switch a sequence from one to the other."""
+        if not self.use_native or torch.compiler.is_compiling() or self.dtype not in NATIVE_DTYPES:
             return None
         extension = native.extension()
         if extension is None:
@@ -388,15 +399,17 @@ class _Group(NamedTuple):
 
 
 class _AttentionPlan:
-    """How one pass attends: the sequences in one batched call on each side of PAD_LIMIT
-    (LlamaForward.attention, their queries padded to the widest and their caches to the longest; one call
-    per cache length where padding would change a row, LlamaForward.pads_exactly), a tree's rows in its
-    branch caches in one call of their own (Segment.branches), a long segment (a prefill) alone through SDPA,
-    whose flash kernel does not materialise its [W, L] scores. Per call, not per sequence, is what
-    batching needs: SDPA's fixed cost (~60-90 us on this CPU) per sequence and layer was most of
-    a batched pass's time beyond the products."""
+    """How one pass attends. A long segment (a prefill) attends alone through SDPA, whose flash kernel does not
+    materialise its [W, L] scores. The other rows: with `kernel` (the native decoder), each sequence's rows
+    through native_attention.cpp, which reads every cache in place up to each row's visible end; else through
+    ATen (`LlamaForward.attention`): the sequences in one batched call on each side of PAD_LIMIT, their queries
+    padded to the widest and their caches to the longest (one call per cache length where padding would change
+    a row, LlamaForward.pads_exactly), a tree's rows in its branch caches in one call of their own
+    (Segment.branches). Per call, not per sequence, is what ATen's batching needs: SDPA's fixed cost (~60-90 us
+    on this CPU) per sequence and layer was most of a batched pass's time beyond the products."""
 
-    def __init__(self, forward: LlamaForward, segments: list[Segment], sizes: list[int], n: int) -> None:
+    def __init__(self, forward: LlamaForward, segments: list[Segment], sizes: list[int], n: int,
+                 kernel: bool = False) -> None:
         self.forward = forward
         self.segments = segments
         self.n = n
@@ -412,8 +425,9 @@ class _AttentionPlan:
                 if size > MATH_ROWS:
                     raise ValueError(f"A tree pass takes at most {MATH_ROWS} rows, got {size}.")
                 self.writes[j] = (tree.write_branch, segments[j].pos[tree.write_row], tree.write_row + starts[j])
-                self.groups.append(self._branches(j, starts[j]))
-            elif size <= MATH_ROWS:
+                if not kernel:
+                    self.groups.append(self._branches(j, starts[j]))
+            elif size <= MATH_ROWS and not kernel:
                 # One segment (every compiled pass) is one group without reading its cache length: a length
                 # used as a key would specialise a compiled graph on it and recompile for every other length.
                 # Several attend in one call padded to the longest cache, on each side of PAD_LIMIT, where that
@@ -469,18 +483,18 @@ class _AttentionPlan:
                               segment.keys[0].shape[2])
 
     def for_native(self) -> Any:
-        """This plan as the native decoder takes it (native_decoder.cpp's Plan)."""
+        """This plan as the native decoder takes it (native_decoder.cpp's Plan): per sequence its cache, rows,
+        writes and each row's visible end (LlamaForward.visible_ends), and the prefills attending through SDPA."""
         extension = native.extension()
         assert extension is not None
         sequences = []
         for j, (segment, rows) in enumerate(zip(self.segments, self.rows, strict=True)):
             branch, slot, row = self.writes.get(j, (None, None, None))
+            ends = self.forward.visible_ends(segment.pos, segment.keys[0].shape[-2])
+            owner = None if segment.branches is None else segment.branches.owner
             sequences.append(extension.Sequence(segment.keys, segment.values, segment.pos, rows.start,
-                                                rows.stop - rows.start, branch, slot, row))
-        groups = [extension.Group(g.members, g.batch, g.width, g.take, g.hidden, g.keep, g.out,
-                                  self.segments[g.members[0]].branches is not None) for g in self.groups]
-        flash = [extension.Flash(j, end, mask) for j, (end, mask) in self.flash.items()]
-        return extension.Plan(sequences, groups, flash, self.uniform)
+                                                rows.stop - rows.start, branch, slot, row, ends, owner))
+        return extension.Plan(sequences, [extension.Flash(j, end, mask) for j, (end, mask) in self.flash.items()])
 
     def attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention outputs [heads, n, D] for the pass's queries q [heads, n, D] at `layer` (padding rows 0)."""
@@ -494,12 +508,17 @@ class _AttentionPlan:
             queries = q[:, group.take].view(fw.heads, group.batch, group.width, fw.head_dim).transpose(0, 1)
             result = self._group(queries, group, layer)
             att[:, group.out] = result.transpose(0, 1).reshape(fw.heads, -1, fw.head_dim)[:, group.keep]
+        self.attend_prefills(q, layer, att)
+        return att
+
+    def attend_prefills(self, q: torch.Tensor, layer: int, att: torch.Tensor) -> None:
+        """The long segments' attention outputs at `layer`, through SDPA, written into att [heads, n, D]; the
+        native decoder runs the same call (native_decoder.cpp)."""
         for j, (end, mask) in self.flash.items():
             segment, rows = self.segments[j], self.rows[j]
             att[:, rows] = F.scaled_dot_product_attention(
                 q[None, :, rows], segment.keys[layer][None, :, :end], segment.values[layer][None, :, :end],
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)[0]
-        return att
 
     def _group(self, queries: torch.Tensor, group: _Group, layer: int) -> torch.Tensor:
         segments = [self.segments[j] for j in group.members]

@@ -1,21 +1,29 @@
-"""The lean forward's decoder layers in C++ (native_decoder.cpp): the same ATen ops as LlamaForward's Python loop, run
-without the interpreter between them and without the GIL.
+"""The lean forward's decoder layers in C++: native_decoder.cpp runs a pass's layers without the interpreter
+between its ops and without the GIL, and native_attention.cpp is its attention kernel.
 
-The Python loop dispatches ~45 ops a layer, 1,350 for SmolLM2's 30 layers, at a few microseconds each, and after
-each one takes the GIL back; on a batched server the generation threads hold it much of the time (verifying,
-streaming, drafting in Python), so the pass thread waited for it between ops. The C++ loop calls the same ATen
-functions on the same tensors in the same order, so its outputs and cache writes are bitwise the Python loop's
-(tests/core/test_native.py), and holds no GIL from a pass's first layer to its last.
+The Python loop (LlamaForward._layers_python) dispatches ~45 ops a layer, 1,350 for SmolLM2's 30 layers, at a
+few microseconds each, and after each one takes the GIL back. The C++ loop calls the same ATen functions on the
+same tensors in the same order for everything but attention, so its products, norms, rotary and cache writes
+are the Python loop's bit for bit, and holds no GIL from a pass's first layer to its last.
 
-It is built once per machine with torch's C++ extension loader (a C++ compiler and ninja; about 40 s on 2
-cores), into TORCH_EXTENSIONS_DIR (the Makefile: .cache/torch_extensions), and rebuilt when native_decoder.cpp
-changes. Where it cannot be built, or with SPECOPS_NATIVE=0, LlamaForward runs its Python loop: the same
-values, slower. torch.compile traces the Python loop (an extension is opaque to it).
+Its attention is a kernel of its own: each (sequence, kv head) reads its cache in place, only the slots its rows
+see, in fp32, where ATen's attention stacks a batch's caches padded to the longest every layer. A row's result
+depends only on its query and its visible slots, so batched passes are exact by construction (no padding limit,
+no one-call-per-length fallback); it rounds otherwise than ATen's bf16 matmuls, so a process runs one runtime
+or the other for every pass: the native one wherever the extension is built (all eager passes outside autograd),
+the Python one where it is not (tests/core/test_native.py checks both against each other and the kernel against
+a plain reference).
+
+It is built once per machine with torch's C++ extension loader (a C++ compiler and ninja; about a minute on 2
+cores), into TORCH_EXTENSIONS_DIR (the Makefile: .cache/torch_extensions), and rebuilt when a source changes.
+Where it cannot be built, or with SPECOPS_NATIVE=0, LlamaForward runs its Python loop: slower, and rounding its
+attention as ATen does. torch.compile traces the Python loop (an extension is opaque to it).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import types
@@ -23,7 +31,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_decoder.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("native_decoder.cpp", "native_attention.cpp")]
+HEADER = Path(__file__).with_name("native_attention.h")
 ENV = "SPECOPS_NATIVE"  # "0": never build or use the extension
 
 
@@ -36,7 +45,13 @@ def extension() -> types.ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="specops_decoder", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+        # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
+        digest = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        # -fopenmp: ATen's parallel_for is a header template, serial unless the extension is built with OpenMP;
+        # the libgomp.so.1 it links is the one torch has loaded already (the same soname), so one thread pool.
+        return load(name="specops_decoder", sources=[str(path) for path in SOURCES],
+                    extra_cflags=["-O3", "-fopenmp", f"-DSPECOPS_HEADER={digest}"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the Python loop is the same function
         log.warning("specops: the native decoder could not be built (%s: %s); passes run the Python loop.",
                     type(error).__name__, error)
@@ -50,7 +65,7 @@ def main() -> None:
         return
     if extension() is None:
         raise SystemExit(f"The native decoder was not built (see the warning above, or unset {ENV}).")
-    print(f"specops: native decoder ready ({SOURCE.name})")
+    print(f"specops: native decoder ready ({', '.join(path.name for path in SOURCES)})")
 
 
 if __name__ == "__main__":

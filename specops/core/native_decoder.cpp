@@ -1,15 +1,18 @@
-// LlamaForward's decoder layers for one pass, in C++ (specops/core/native.py): the same ATen ops on the same
-// tensors in the same order as the Python loop in specops/core/llama.py (LlamaForward._layers_python and
-// _AttentionPlan.attend), so every output and every cache write is bitwise the Python loop's. What changes is
-// who dispatches them: ~45 ops a layer from Python cost a few microseconds each and took the GIL back after
-// each one, which a batched server's generation threads (verifying, streaming, drafting in Python) hold much
-// of the time; here a pass holds no GIL from its first layer to its last.
+// LlamaForward's decoder layers for one pass, in C++ (specops/core/native.py): the Python loop's products, norms,
+// rotary and cache writes (specops/core/llama.py, LlamaForward._layers_python) as the same ATen ops on the same
+// tensors in the same order, so the same bits; attention through native_attention.cpp's kernel, which reads
+// each sequence's cache in place (the Python loop pads and stacks them for ATen's matmuls, and rounds
+// otherwise). What changes is who dispatches the ops: ~45 ops a layer from Python cost a few microseconds each
+// and took the GIL back after each one, which a batched server's generation threads (verifying, streaming,
+// drafting in Python) hold much of the time; here a pass holds no GIL from its first layer to its last.
 //
-// The plan of a pass (which rows are whose, which caches attend together, the visibility masks) is built in
-// Python once per pass (_AttentionPlan) and handed over as the plain structs below.
+// The plan of a pass (which rows are whose, what each row sees) is built in Python once per pass
+// (llama._AttentionPlan) and handed over as the plain structs below.
 
 #include <ATen/ScalarOps.h>
 #include <torch/extension.h>
+
+#include "native_attention.h"
 
 #include <cmath>
 #include <limits>
@@ -22,24 +25,19 @@ using at::Tensor;
 using at::indexing::Slice;
 using OptionalTensor = std::optional<Tensor>;
 
-// One sequence's rows in the pass: rows start..start+size at cache slots `pos`; a tree's rows are written to
-// branch caches instead (keys[layer][branch, :, slot] = row), as llama.Branches says.
+// One sequence's rows in the pass: rows start..start+size at cache slots `pos`, row r seeing slots 0..ends[r]-1;
+// a tree's rows are written to branch caches instead (keys[layer][branch, :, slot] = row, as llama.Branches
+// says) and row r attends in branch owner[r].
 struct Sequence {
   std::vector<Tensor> keys, values;  // per layer: [kv_heads, length, D], or a tree's [branches, kv_heads, length, D]
   Tensor pos;
   int64_t start, size;
   OptionalTensor branch, slot, row;  // a tree's writes: pass row row[i] goes to branch[i] at slot[i]
+  Tensor ends;
+  OptionalTensor owner;
 };
 
-// Sequences (or one tree's branches) attending in one call: llama._Group.
-struct Group {
-  std::vector<int64_t> members;  // indices into the pass's sequences (a tree: its one)
-  int64_t batch, width;
-  Tensor take, hidden, keep, out;  // hidden: ~visible[:, :, None], [batch, 1, 1, width, length]
-  bool tree;
-};
-
-// A long sequence (a prefill) attending alone through SDPA over its first `end` slots: mask None is causal.
+// A long sequence (a prefill) attending through SDPA over its first `end` slots: mask None is causal.
 struct Flash {
   int64_t sequence, end;
   OptionalTensor mask;
@@ -47,14 +45,12 @@ struct Flash {
 
 struct Plan {
   std::vector<Sequence> sequences;
-  std::vector<Group> groups;
   std::vector<Flash> flash;
-  bool uniform;  // one group, every sequence `width` rows, no padding rows: no gather or scatter
 };
 
 // A Python number as Python passes it to an op: a double "wrapped number" tensor, which a bf16 op reads in its
 // float opmath. (`Tensor::mul_(Scalar)` from C++ rounds the number to the tensor's dtype first: 0.1767... as a
-// bf16 scale rounded the attention scores differently from Python's `mul_(d ** -0.5)`.)
+// bf16 scale rounded ATen attention's scores differently from Python's `mul_(d ** -0.5)`.)
 Tensor number(double value) {
   Tensor out = at::scalar_to_tensor(value);
   out.unsafeGetTensorImpl()->set_wrapped_number(true);
@@ -87,16 +83,6 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
 }
 
-// llama._padded_stack.
-Tensor padded_stack(const std::vector<Tensor>& caches, int64_t length) {
-  bool same = true;
-  for (const Tensor& cache : caches) same = same && cache.size(1) == length;
-  if (same) return at::stack(caches);
-  Tensor out = caches[0].new_zeros({static_cast<int64_t>(caches.size()), caches[0].size(0), length, caches[0].size(2)});
-  for (size_t i = 0; i < caches.size(); ++i) out[i].slice(1, 0, caches[i].size(1)).copy_(caches[i]);
-  return out;
-}
-
 class Decoder {
  public:
   Decoder(std::vector<Tensor> attn_norm, std::vector<Tensor> mlp_norm, std::vector<Tensor> qkv, std::vector<Tensor> o,
@@ -112,6 +98,7 @@ class Decoder {
   // tables cos, sin [n, D]; each layer's output [n, H]. `packed`: the products on the packed weights.
   std::vector<Tensor> run(Tensor x, const Tensor& cos, const Tensor& sin, Plan& plan, int64_t layers,
                           bool packed) const {
+    const at::NoGradGuard no_grad;  // whatever the caller's grad mode: a pass's outputs need no graph
     const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     const OptionalTensor none;
     std::vector<Tensor> captured;
@@ -132,7 +119,7 @@ class Decoder {
           s.values[i].index_put_({*s.branch, Slice(), *s.slot}, v.index_select(1, *s.row).transpose(0, 1));
         }
       }
-      Tensor att = attend(q, i, plan, n);
+      Tensor att = attend(q.contiguous(), i, plan, n);
       x = x + product(att.transpose(0, 1).reshape({n, q_size}), o_[i], packed ? o_packed_[i] : none);
       h = llama_rms_norm(x, mlp_norm_[i], eps_);
       std::vector<Tensor> gate_up = product(h, gate_up_[i], packed ? gate_up_packed_[i] : none).chunk(2, -1);
@@ -143,19 +130,18 @@ class Decoder {
   }
 
  private:
-  // _AttentionPlan.attend: attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`.
+  // Attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`: the kernel for decoding and
+  // verification rows, SDPA for prefills (_AttentionPlan.attend's flash segments).
   Tensor attend(const Tensor& q, int64_t layer, const Plan& plan, int64_t n) const {
-    if (plan.uniform) {
-      const Group& group = plan.groups[0];
-      Tensor queries = q.view({heads_, group.batch, group.width, head_dim_}).transpose(0, 1);
-      return attend_group(queries, group, layer, plan).transpose(0, 1).reshape({heads_, n, head_dim_});
-    }
     Tensor att = q.new_zeros({heads_, n, head_dim_});
-    for (const Group& group : plan.groups) {
-      Tensor queries = q.index_select(1, group.take).view({heads_, group.batch, group.width, head_dim_}).transpose(0, 1);
-      Tensor result = attend_group(queries, group, layer, plan).transpose(0, 1).reshape({heads_, -1, head_dim_});
-      att.index_copy_(1, group.out, result.index_select(1, group.keep));
+    std::vector<bool> flashed(plan.sequences.size(), false);
+    for (const Flash& flash : plan.flash) flashed[flash.sequence] = true;
+    std::vector<specops::AttendRows> rows;
+    for (size_t j = 0; j < plan.sequences.size(); ++j) {
+      const Sequence& s = plan.sequences[j];
+      if (!flashed[j]) rows.push_back({s.keys[layer], s.values[layer], s.start, s.size, s.ends, s.owner});
     }
+    specops::attend_rows(q, att, rows);
     for (const Flash& flash : plan.flash) {
       const Sequence& s = plan.sequences[flash.sequence];
       att.slice(1, s.start, s.start + s.size)
@@ -166,40 +152,6 @@ class Decoder {
                      .select(0, 0));
     }
     return att;
-  }
-
-  // _AttentionPlan._group.
-  Tensor attend_group(const Tensor& queries, const Group& group, int64_t layer, const Plan& plan) const {
-    Tensor keys, values;
-    if (group.tree) {
-      const Sequence& s = plan.sequences[group.members[0]];
-      keys = s.keys[layer].slice(0, 0, group.batch);
-      values = s.values[layer].slice(0, 0, group.batch);
-    } else if (group.members.size() == 1) {
-      const Sequence& s = plan.sequences[group.members[0]];
-      keys = s.keys[layer].unsqueeze(0);
-      values = s.values[layer].unsqueeze(0);
-    } else {
-      std::vector<Tensor> member_keys, member_values;
-      for (int64_t j : group.members) {
-        member_keys.push_back(plan.sequences[j].keys[layer]);
-        member_values.push_back(plan.sequences[j].values[layer]);
-      }
-      const int64_t length = group.hidden.size(-1);
-      keys = padded_stack(member_keys, length);
-      values = padded_stack(member_values, length);
-    }
-    return attention(queries, keys, values, group.hidden);
-  }
-
-  // LlamaForward.attention, with the masked slots given as `hidden` (~visible[:, :, None]).
-  Tensor attention(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& hidden) const {
-    const int64_t b = q.size(0), w = q.size(2), d = q.size(3), groups = heads_ / kv_heads_;
-    Tensor scores = at::matmul(q.reshape({b, kv_heads_, groups * w, d}), keys.transpose(-1, -2))
-                        .mul_(number(std::pow(static_cast<double>(d), -0.5)));
-    scores = scores.view({b, kv_heads_, groups, w, -1}).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
-    Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-    return at::matmul(weights.view({b, kv_heads_, groups * w, -1}), values).view({b, heads_, w, d});
   }
 
   std::vector<Tensor> attn_norm_, mlp_norm_, qkv_, o_, gate_up_, down_;
@@ -213,12 +165,20 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Sequence>(m, "Sequence")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, Tensor, int64_t, int64_t, OptionalTensor, OptionalTensor,
-                    OptionalTensor>());
-  py::class_<Group>(m, "Group")
-      .def(py::init<std::vector<int64_t>, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, bool>());
+                    OptionalTensor, Tensor, OptionalTensor>());
   py::class_<Flash>(m, "Flash").def(py::init<int64_t, int64_t, OptionalTensor>());
-  py::class_<Plan>(m, "Plan")
-      .def(py::init<std::vector<Sequence>, std::vector<Group>, std::vector<Flash>, bool>());
+  py::class_<Plan>(m, "Plan").def(py::init<std::vector<Sequence>, std::vector<Flash>>());
+  // The kernel alone, for tests and benchmarks: out [heads, n, D] for q [heads, n, D], per sequence its keys and
+  // values [kv_heads, length, D] (a tree's: [branches, ...] with owner), first row, row count and ends.
+  m.def("attend_rows",
+        [](const Tensor& q, Tensor& out, const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+           const std::vector<int64_t>& starts, const std::vector<Tensor>& ends, const std::vector<OptionalTensor>& owners) {
+          std::vector<specops::AttendRows> rows;
+          for (size_t j = 0; j < keys.size(); ++j) rows.push_back({keys[j], values[j], starts[j], ends[j].size(0), ends[j], owners[j]});
+          specops::attend_rows(q, out, rows);
+        },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attention_path", &specops::attention_path);
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                     std::vector<Tensor>, std::vector<Tensor>, std::vector<OptionalTensor>, std::vector<OptionalTensor>,

@@ -20,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1]  # specops/
 REPO = PACKAGE.parent
 STAGE_FILES = {"dvc.yaml": "specops.pipeline.stages", "osd/dvc.yaml": "specops.pipeline.osd_steps"}
 # Code a module runs that is not Python: listed beside the module wherever it is (a folder listed whole has it).
-COMPANIONS = {"specops/core/native.py": ["specops/core/native_decoder.cpp"]}
+COMPANIONS = {"specops/core/native.py": ["specops/core/native_attention.cpp", "specops/core/native_attention.h",
+                                          "specops/core/native_decoder.cpp"]}
 # Stage name in a dvc.yaml -> function in its stage file (the OSD stages are `osd_<step>`).
 STAGE_FUNCTIONS = {"dvc.yaml": lambda stage: stage, "osd/dvc.yaml": lambda stage: stage.removeprefix("osd_")}
 

@@ -199,20 +199,31 @@ def test_a_batcher_runs_eager_passes_of_its_own_target():
 CASES = [("greedy", SamplingParams()), ("coupled", SamplingParams(0.9, 0.95)), ("rejection", SamplingParams(1.0))]
 
 
-@pytest.mark.parametrize("attention", ["padded", "per cache length"])
-def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch, attention):
-    if attention == "per cache length":  # as on a CPU where padding would change a row
+@pytest.mark.parametrize("attention", ["native kernel", "padded", "per cache length"])
+def test_concurrent_generations_emit_what_they_emit_alone(request, monkeypatch, attention):
+    """Every request alone, then all at once through one batcher: the same tokens and logprobs. Through the
+    native decoder's kernel (each cache read in place), and through the Python loop's ATen attention: caches of
+    two lengths padded into one call, or one call per length (as on a CPU where padding would change a row)."""
+    if attention != "native kernel":
+        request.getfixturevalue("python_loop")
+    if attention == "per cache length":
         monkeypatch.setattr(LlamaForward, "pads_exactly", False)
-    group_of = _AttentionPlan._group_of
-    mixed: list[bool] = []  # per attention call planned: over caches of several lengths (padded)?
+    group_of, for_native = _AttentionPlan._group_of, _AttentionPlan.for_native
+    mixed: list[bool] = []  # per ATen attention call planned: over caches of several lengths (padded)?
+    native_passes: list[int] = []  # per pass planned for the native decoder: its sequences
 
     def counting(plan: _AttentionPlan, members: list[int], *args) -> object:
         mixed.append(len({plan.segments[j].keys[0].shape[-2] for j in members}) > 1)
         return group_of(plan, members, *args)
 
+    def counting_native(plan: _AttentionPlan) -> object:
+        native_passes.append(len(plan.segments))
+        return for_native(plan)
+
     monkeypatch.setattr(_AttentionPlan, "_group_of", counting)
+    monkeypatch.setattr(_AttentionPlan, "for_native", counting_native)
     target = target_from_model(tiny_llama(0, dtype=torch.bfloat16, hidden=HIDDEN), tiny_tokenizer(), "t")
-    assert llama_forward(target.model)[0].pads_exactly == (attention == "padded")
+    assert llama_forward(target.model)[0].pads_exactly == (attention != "per cache length")
     draft = tiny_llama(1, layers=1, hidden=HIDDEN, dtype=torch.bfloat16)  # wide enough to batch its passes too
     passes: list[tuple[str, int, float]] = []
     batcher = PassBatcher(target.model, window_s=0.05, on_pass=lambda *heard: passes.append(heard))
@@ -248,6 +259,7 @@ def test_concurrent_generations_emit_what_they_emit_alone(monkeypatch, attention
     assert together == alone
     assert static_cache_length(len(PROMPTS[3]), 24, WIDTH) != static_cache_length(len(PROMPTS[2]), 24, WIDTH)  # caches of two lengths
     assert any(mixed) == (attention == "padded")  # passes really attended over caches of both lengths in one call
+    assert (max(native_passes, default=0) > 1) == (attention == "native kernel")  # batched passes ran natively
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def test_bf16_chunked_speculation_is_bitwise_plain_decoding():
 def test_chunk_rows_that_see_later_slots_break_the_equality(monkeypatch):
     """Mutant: causal visibility is what keeps a chunk from reading slots not yet written, and the later
     passes from reading rejected drafts; without it speculative output leaves plain decoding's."""
-    monkeypatch.setattr(LlamaForward, "visibility", lambda self, pos, length: torch.ones(len(pos), length, dtype=torch.bool))
+    monkeypatch.setattr(LlamaForward, "visible_ends", lambda self, pos, length: torch.full_like(pos, length))
     with pytest.raises(AssertionError):
         test_bf16_chunked_speculation_is_bitwise_plain_decoding()
 

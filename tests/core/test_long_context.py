@@ -69,8 +69,7 @@ def test_long_rows_are_bitwise_plain_decoding(dtype):
     prompt = long_prompt(1500)
     assert all(rows_equal(lambda: StaticLM(model, WIDTH, 1536), prompt))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LlamaForward, "visibility",
-                      lambda self, pos, length: torch.ones(len(pos), length, dtype=torch.bool))
+        patch.setattr(LlamaForward, "visible_ends", lambda self, pos, length: torch.full_like(pos, length))
         assert not all(rows_equal(lambda: StaticLM(model, WIDTH, 1536), prompt))
 
 

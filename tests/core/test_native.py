@@ -1,22 +1,32 @@
-"""The native decoder (specops/core/native_decoder.cpp) is LlamaForward's Python loop bit for bit: the same
-logits, layer outputs and cache writes, over every kind of pass the runtime makes (one row padded to MIN_ROWS,
-several sequences padded to one cache length, caches on both sides of PAD_LIMIT, one call per length, tree
-branches, prompts through SDPA's causal and masked kernels, DEL's early layers, a draft's final hidden
-states), in bf16 and fp32. Mutant that must fail: a loop that scales the attention scores by the scale rounded
-to bf16 (what C++'s Tensor::mul_(Scalar) does, a bug the first build had)."""
+"""The native decoder (specops/core/native_decoder.cpp) and its attention kernel (native_attention.cpp).
+
+- The C++ loop is the Python loop op for op but for attention: with the Python loop's attention replaced by
+  the kernel, every kind of pass the runtime makes (one row padded to MIN_ROWS, sequences of several cache
+  lengths, caches on both sides of PAD_LIMIT, tree branches, prompts through SDPA's causal and masked kernels,
+  DEL's early layers, a draft's final hidden states) gives the same logits, layer outputs and cache writes bit
+  for bit, bf16 and fp32. Mutant: the Python loop's RMSNorm statistics in the model dtype.
+- The kernel is softmax attention (against a float64 reference, on this CPU's AVX-512 path and on the plain
+  loops other CPUs take), and a row's result depends on nothing but its query and its visible slots: bitwise
+  the same beside other rows or sequences, with other contents past its visible end, in a longer cache, in a
+  tree's branch cache. Mutant: rows that see one slot past their own.
+- The two runtimes agree up to rounding, and grad mode does not switch a pass from one to the other.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
 from specops.core import native
-from specops.core.llama import Branches, LlamaForward, Segment, hidden_slots, llama_forward
+from specops.core.llama import Branches, LlamaForward, Segment, _AttentionPlan, llama_forward
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.skipif(os.environ.get(native.ENV) == "0", reason="SPECOPS_NATIVE=0: the Python loop only")
@@ -54,36 +64,56 @@ CASES: dict[str, Callable[[LlamaForward], list[Segment]]] = {
     "across PAD_LIMIT": lambda f: [sequence(f, 960, 2, 900, 0), sequence(f, 1088, 3, 1030, 1)],
     "tree beside a chain": lambda f: [sequence(f, 128, 4, 60, 0, TREE, [60, 61, 61, 62]), sequence(f, 192, 2, 80, 1)],
     "prompt": lambda f: [sequence(f, 256, 100, 0, 0)],
-    "prompt chunk": lambda f: [sequence(f, 256, 70, 30, 0)],
+    "prompt chunk beside a row": lambda f: [sequence(f, 256, 70, 30, 0), sequence(f, 128, 1, 50, 1)],
 }
 
 
-def native_and_python(model, make: Callable[[LlamaForward], list[Segment]], run: str = "forward",
-                      python_attention: Callable | None = None) -> bool:
-    """The pass `make` builds, run twice on identical copies: through the native decoder and through the
-    Python loop (its attention replaced by `python_attention`, if given); are logits, layer outputs and caches
-    all equal?"""
+def kernel_attend(plan: _AttentionPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
+    """_AttentionPlan.attend with the native kernel for every row but the prefills' (what the C++ loop runs)."""
+    forward, kernel = plan.forward, native.extension()
+    att = q.new_zeros(forward.heads, plan.n, forward.head_dim)
+    rows = [j for j in range(len(plan.segments)) if j not in plan.flash]
+    segments = [plan.segments[j] for j in rows]
+    kernel.attend_rows(q.contiguous(), att, [s.keys[layer] for s in segments], [s.values[layer] for s in segments],
+                       [plan.rows[j].start for j in rows],
+                       [forward.visible_ends(s.pos, s.keys[0].shape[-2]) for s in segments],
+                       [None if s.branches is None else s.branches.owner for s in segments])
+    plan.attend_prefills(q, layer, att)
+    return att
+
+
+def run_pass(model, make: Callable[[LlamaForward], list[Segment]], run: str, use_native: bool,
+             patches: contextlib.AbstractContextManager) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The pass `make` builds through one loop: its outputs, and the caches it left."""
     forward = llama_forward(model)[0]
-    results, caches = [], []
-    for use_native in (True, False):
-        segments = make(forward)
-        forward.use_native = use_native
-        patched = (mock.patch.object(LlamaForward, "masked_attention", python_attention)
-                   if python_attention and not use_native else contextlib.nullcontext())
-        try:
-            with torch.inference_mode(), patched:
-                if run == "forward":
-                    out = forward.forward_many(segments)
-                elif run == "hidden":
-                    out = forward.forward_many(segments, head=False)
-                else:  # DEL's first layer
-                    out = [forward.early(*segments[0].args(), layers=1)]
-        finally:
-            forward.use_native = True
-        results.append([t for result in out for t in (result if isinstance(result, tuple) else (result,))])
-        caches.append([t for s in segments for t in (*s.keys, *s.values)])
-    return all(torch.equal(a, b) for a, b in zip(*results, strict=True)) and all(
-        torch.equal(a, b) for a, b in zip(*caches, strict=True))
+    segments = make(forward)
+    forward.use_native = use_native
+    try:
+        with torch.inference_mode(), patches:
+            if run == "forward":
+                out = forward.forward_many(segments)
+            elif run == "hidden":
+                out = forward.forward_many(segments, head=False)
+            else:  # DEL's first layer
+                out = [forward.early(*segments[0].args(), layers=1)]
+    finally:
+        forward.use_native = True
+    tensors = [t for result in out for t in (result if isinstance(result, tuple) else (result,))]
+    return tensors, [t for s in segments for t in (*s.keys, *s.values)]
+
+
+def loops_agree(model, make: Callable[[LlamaForward], list[Segment]], run: str = "forward",
+                python: contextlib.AbstractContextManager | None = None) -> bool:
+    """The native decoder against the Python loop running the kernel's attention (and `python`'s patches):
+    are outputs and caches bitwise equal?"""
+    native_run = run_pass(model, make, run, True, contextlib.nullcontext())
+    patches = contextlib.ExitStack()
+    patches.enter_context(mock.patch.object(_AttentionPlan, "attend", kernel_attend))
+    if python is not None:
+        patches.enter_context(python)
+    python_run = run_pass(model, make, run, False, patches)
+    return all(torch.equal(a, b) for a, b in zip(native_run[0] + native_run[1], python_run[0] + python_run[1],
+                                                  strict=True))
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
@@ -92,46 +122,141 @@ def model(request):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_passes_are_the_python_loop_bit_for_bit(model, case):
-    assert native_and_python(model, CASES[case])
+def test_the_c_loop_is_the_python_loop_bit_for_bit(model, case):
+    assert loops_agree(model, CASES[case])
 
 
 @pytest.mark.parametrize("run", ["hidden", "early"])
 def test_final_hidden_states_and_early_layers_are_the_python_loop_bit_for_bit(model, run):
-    assert native_and_python(model, CASES["three lengths"] if run == "hidden" else CASES["five rows"], run)
+    assert loops_agree(model, CASES["three lengths"] if run == "hidden" else CASES["five rows"], run)
 
 
-def test_one_call_per_cache_length_is_the_python_loop_bit_for_bit(monkeypatch):
-    monkeypatch.setattr(LlamaForward, "pads_exactly", False)
-    assert native_and_python(tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16), CASES["three lengths"])
-
-
-def test_scores_scaled_by_a_rounded_scale_differ():
-    """Mutant: the Python loop's attention scaling its scores by d ** -0.5 rounded to bf16 first."""
+def test_norm_statistics_in_bf16_differ():
+    """Mutant: the Python loop's RMSNorm statistics in the model dtype, not float32."""
     model = tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16)
 
-    def rounded(self, q, keys, values, hidden):
-        b, _, w, d = q.shape
-        groups = self.heads // self.kv_heads
-        scale = torch.tensor(d ** -0.5, dtype=q.dtype)
-        scores = torch.matmul(q.reshape(b, self.kv_heads, groups * w, d), keys.transpose(-1, -2)).mul_(scale)
-        scores = scores.view(b, self.kv_heads, groups, w, -1).masked_fill_(hidden, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(weights.view(b, self.kv_heads, groups * w, -1), values).view(b, self.heads, w, d)
+    def rms_norm(x, weight, eps):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
-    assert native_and_python(model, CASES["five rows"])
-    assert not native_and_python(model, CASES["five rows"], python_attention=rounded)
+    assert loops_agree(model, CASES["five rows"])
+    assert not loops_agree(model, CASES["five rows"], python=mock.patch("specops.core.llama.rms_norm", rms_norm))
 
 
-def test_the_mask_helper_hides_what_a_row_does_not_see():
-    visible = torch.tensor([[True, True, False]])[None, None]
-    assert hidden_slots(visible).tolist() == [[[[[False, False, True]]]]]
+@pytest.mark.parametrize("case", ["three lengths", "tree beside a chain", "prompt chunk beside a row"])
+def test_the_two_runtimes_agree_up_to_rounding(model, case):
+    """The native decoder and the Python loop with ATen's attention: close, not bitwise (fp32: to 1e-4)."""
+    native_out, _ = run_pass(model, CASES[case], "forward", True, contextlib.nullcontext())
+    python_out, _ = run_pass(model, CASES[case], "forward", False, contextlib.nullcontext())
+    tolerance = 1e-4 if model.dtype == torch.float32 else 0.25
+    assert all(torch.allclose(a.float(), b.float(), atol=tolerance, rtol=0.05) for a, b in
+               zip(native_out, python_out, strict=True))
 
 
-def test_autograd_runs_the_python_loop():
-    """With autograd recording, passes go through the Python loop (the extension records no graph)."""
+def test_grad_mode_does_not_switch_runtimes():
+    """Outside inference mode (a script's prefill) passes still run the native decoder, whose outputs need no
+    graph: the runtimes round attention differently, and a sequence must not run on both."""
     forward = llama_forward(tiny_llama(0, hidden=HIDDEN))[0]
-    with torch.no_grad():
-        assert forward._native() is not None
     with torch.enable_grad():
-        assert forward._native() is None
+        assert forward._native() is not None
+        out = forward.forward_many(CASES["five rows"](forward))[0][0]
+    assert not out.requires_grad
+
+
+# ---- the kernel alone ----
+
+def attention_reference(q, keys, values, ends, owner=None) -> torch.Tensor:
+    """Softmax attention in float64, row by row: q [heads, W, D], caches [kv_heads, L, D] (a tree's
+    [branches, kv_heads, L, D] with owner [W])."""
+    heads, kv_heads = q.shape[0], keys.shape[-3]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(heads):
+        for r in range(q.shape[1]):
+            k = keys[h // (heads // kv_heads)] if owner is None else keys[owner[r], h // (heads // kv_heads)]
+            v = values[h // (heads // kv_heads)] if owner is None else values[owner[r], h // (heads // kv_heads)]
+            scores = q[h, r].double() @ k[: ends[r]].double().T / q.shape[-1] ** 0.5
+            out[h, r] = torch.softmax(scores, -1) @ v[: ends[r]].double()
+    return out
+
+
+KERNEL_SHAPES = [(64, 9, 3, 5, 200), (64, 9, 3, 1, 17), (24, 4, 2, 3, 40), (12, 4, 4, 2, 1), (70, 2, 1, 4, 33)]
+
+
+def kernel_errors() -> list[float]:
+    """The kernel's largest error against the float64 reference, per dtype and shape (D, heads, kv heads,
+    rows, cache length), rows at the cache's last slots."""
+    kernel, errors = native.extension(), []
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for d, heads, kv_heads, rows, length in KERNEL_SHAPES:
+            q, keys, values = (torch.randn(*shape, generator=generator).to(dtype) for shape in
+                               ((heads, rows, d), (kv_heads, length, d), (kv_heads, length, d)))
+            ends = torch.arange(length - rows + 1, length + 1).clamp(min=1)
+            out = torch.zeros_like(q)
+            kernel.attend_rows(q, out, [keys], [values], [0], [ends], [None])
+            errors.append((out.double() - attention_reference(q, keys, values, ends)).abs().max().item())
+    return errors
+
+
+def assert_kernel_is_softmax_attention() -> None:
+    errors = kernel_errors()
+    half = len(errors) // 2
+    assert max(errors[:half]) < 1e-5 and max(errors[half:]) < 2e-2, errors  # fp32, then bf16 (its output rounded)
+
+
+def test_the_kernel_is_softmax_attention():
+    assert native.extension().attention_path() in ("avx512", "plain")
+    assert_kernel_is_softmax_attention()
+
+
+def test_the_kernel_s_plain_loops_are_softmax_attention_too():
+    """The path a CPU without AVX-512 takes, forced here (SPECOPS_NATIVE_PLAIN=1), in a process of its own."""
+    code = ("from specops.core import native; assert native.extension().attention_path() == 'plain'; "
+            "from tests.core.test_native import assert_kernel_is_softmax_attention as check; check()")
+    env = {**os.environ, "SPECOPS_NATIVE_PLAIN": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[2])  # the repository root, where `tests` imports from
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:
+    """One sequence's 5 rows (9 query heads, 3 kv heads, D 64, bf16) in a cache of 160 slots at slots
+    100..104, with the ends `ends_of(pos)` gives: are its outputs bitwise the same (1) row by row alone,
+    (2) beside another sequence, (3) with other contents in the slots past the rows, (4) in a cache of 320
+    slots, (5) as a tree's branch cache (branch 1 of 2)?"""
+    kernel = native.extension()
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(9, 5, 64, generator=generator).bfloat16()
+    keys, values = (torch.randn(3, 160, 64, generator=generator).bfloat16() for _ in range(2))
+    pos = torch.arange(100, 105)
+
+    def attend(q, keys, values, pos, owner=None, start=0, others=()):
+        out = torch.zeros(9, start + q.shape[1], 64, dtype=q.dtype)
+        full_q = torch.cat([other[0] for other in others] + [q], 1) if others else q
+        kernel.attend_rows(full_q.contiguous(), out, [o[1] for o in others] + [keys], [o[2] for o in others] + [values],
+                           [0] * len(others) + [start], [o[3] for o in others] + [ends_of(pos)],
+                           [None] * len(others) + [owner])
+        return out[:, start:]
+
+    base = attend(q, keys, values, pos)
+    alone = torch.cat([attend(q[:, r:r + 1], keys, values, pos[r:r + 1]) for r in range(5)], 1)
+    other = (torch.randn(9, 3, 64, generator=generator).bfloat16(), torch.randn(3, 90, 64).bfloat16(),
+             torch.randn(3, 90, 64).bfloat16(), torch.tensor([40, 41, 42]))
+    beside = attend(q, keys, values, pos, start=3, others=[other])
+    scrambled_keys, scrambled_values = keys.clone(), values.clone()
+    scrambled_keys[:, 105:] = torch.randn(3, 55, 64).bfloat16()
+    scrambled_values[:, 105:] = torch.randn(3, 55, 64).bfloat16()
+    scrambled = attend(q, scrambled_keys, scrambled_values, pos)
+    longer_keys, longer_values = (torch.cat([cache, torch.randn(3, 160, 64).bfloat16()], 1) for cache in (keys, values))
+    longer = attend(q, longer_keys, longer_values, pos)
+    branch_keys, branch_values = (torch.stack([torch.randn(3, 160, 64).bfloat16(), cache]) for cache in (keys, values))
+    branched = attend(q, branch_keys, branch_values, pos, owner=torch.ones(5, dtype=torch.long))
+    return [torch.equal(base, other) for other in (alone, beside, scrambled, longer, branched)]
+
+
+def test_a_row_depends_only_on_its_query_and_its_visible_slots():
+    assert all(invariances(lambda pos: pos + 1))
+
+
+def test_rows_that_see_one_slot_past_their_own_differ():
+    """Mutant: ends one past each row's own slot; the next slot's contents then change its result."""
+    assert not all(invariances(lambda pos: pos + 2))

@@ -72,7 +72,7 @@ def test_a_rejection_rewinds_the_cache():
 
 def test_rows_that_see_stale_slots_differ(monkeypatch):
     """The causal visibility is what hides padding rows and rejected drafts: without it rows differ."""
-    monkeypatch.setattr(LlamaForward, "visibility", lambda self, pos, length: torch.ones(len(pos), length, dtype=torch.bool))
+    monkeypatch.setattr(LlamaForward, "visible_ends", lambda self, pos, length: torch.full_like(pos, length))
     assert not all(rows_equal(lambda: StaticLM(tiny_llama(0, hidden=64), WIDTH, 256)))
 
 

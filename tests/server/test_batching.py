@@ -63,7 +63,10 @@ def test_concurrent_requests_are_bitwise_what_they_are_alone(start_server, bf16_
     # the target at start-up, and a draft LM's passes and prompts.
     busy = pass_seconds(text)
     assert busy["target"] > 0 and busy["target_alone"] > 0 and busy["other"] > 0
-    assert ("draft" in busy) == ("draft_alone" in busy) == (drafter == "draft-lm")
+    # A draft LM's passes join the batches; a feed longer than a batched draft pass (a prompt the draft had not
+    # seen) runs alone, which depends on when the policy first let a request draft, so only the first is sure.
+    assert ("draft" in busy) == (drafter == "draft-lm")
+    assert "draft_alone" not in busy or drafter == "draft-lm"
     assert live.state.feedback.count() == 2 * len(requests)
 
 

@@ -1,0 +1,328 @@
+// Attention of decoding and verification rows over each sequence's own cache (see native_attention.h).
+//
+// ATen's attention for a batch of sequences (LlamaForward.attention) stacks their caches into one tensor
+// padded to the longest, every layer, and multiplies and masks the padded whole: in a batched SmolLM2 pass on
+// a 2-core CPU the stacking alone took 3 ms of 28 and the small bf16 matmuls 3 more (docs/results.md). Here
+// each (sequence, kv head) is one work item that reads its cache in place, only the slots its rows see: the
+// scores of 16 keys at a time against each query (fp32), a softmax in fp32, and the weighted sum of the
+// values in fp32, rounded once to the output's dtype. A row's result is a fixed sequence of operations on
+// its query and its visible slots, so it is the same alone or beside any other rows, whatever the pass's
+// shape, the cache's length or what lies in the slots it does not see.
+
+#include "native_attention.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+namespace specops {
+namespace {
+
+constexpr int64_t kKeys = 16;  // keys scored together
+constexpr int64_t kLanes = 16;  // floats in an AVX-512 register
+
+// One kv head of one sequence (of one branch, for a tree) and the pass rows that attend in it.
+struct Item {
+  const void* keys;    // [length, D] of this kv head
+  const void* values;
+  int64_t kv_head;
+  std::vector<int64_t> rows, ends;
+};
+
+struct Shape {
+  int64_t heads, groups, n, d, padded_d;  // padded_d: D rounded up to kLanes
+  bool bf16;
+  float scale;
+};
+
+inline float load_one(const void* base, int64_t i, bool bf16) {
+  return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+// An item's working memory, fp32: its queries [R, padded_d] (scaled; R = groups x rows, query (g, r) at
+// g * rows + r), scores [R, keys rounded up to 16]; for the plain loops its keys and values [keys, padded_d],
+// for the vector loops one block of 16 keys or values and the queries' accumulators [R, padded_d]. Zero past D
+// and past the last key, so the vector loops need no masks there.
+struct Buffers {
+  std::vector<float> queries, keys, values, scores, block, acc;
+};
+
+void fill(const Item& item, const void* q, const Shape& s, int64_t keys, Buffers& b) {
+  const int64_t rows = static_cast<int64_t>(item.rows.size()), padded_keys = (keys + kKeys - 1) / kKeys * kKeys;
+  b.queries.assign(s.groups * rows * s.padded_d, 0.0f);
+  for (int64_t g = 0; g < s.groups; ++g) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t from = ((item.kv_head * s.groups + g) * s.n + item.rows[r]) * s.d;
+      float* to = &b.queries[(g * rows + r) * s.padded_d];
+      for (int64_t x = 0; x < s.d; ++x) to[x] = load_one(q, from + x, s.bf16) * s.scale;
+    }
+  }
+  b.keys.assign(padded_keys * s.padded_d, 0.0f);
+  b.values.assign(padded_keys * s.padded_d, 0.0f);
+  for (int64_t j = 0; j < keys; ++j) {
+    for (int64_t x = 0; x < s.d; ++x) {
+      b.keys[j * s.padded_d + x] = load_one(item.keys, j * s.d + x, s.bf16);
+      b.values[j * s.padded_d + x] = load_one(item.values, j * s.d + x, s.bf16);
+    }
+  }
+  b.scores.assign(s.groups * rows * padded_keys, 0.0f);
+}
+
+void store(void* out, int64_t index, float value, bool bf16) {
+  if (bf16) {
+    static_cast<at::BFloat16*>(out)[index] = at::BFloat16(value);
+  } else {
+    static_cast<float*>(out)[index] = value;
+  }
+}
+
+// ---- plain loops: CPUs without AVX-512 ----
+
+void attend_item_plain(const Item& item, const void* q, void* out, const Shape& s, Buffers& b) {
+  const int64_t rows = static_cast<int64_t>(item.rows.size());
+  const int64_t keys = *std::max_element(item.ends.begin(), item.ends.end());
+  fill(item, q, s, keys, b);
+  const int64_t padded_keys = (keys + kKeys - 1) / kKeys * kKeys;
+  std::vector<float> acc(s.padded_d);
+  for (int64_t i = 0; i < s.groups * rows; ++i) {
+    const int64_t end = item.ends[i % rows];
+    const float* query = &b.queries[i * s.padded_d];
+    float* score = &b.scores[i * padded_keys];
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < end; ++j) {
+      float dot = 0.0f;
+      for (int64_t x = 0; x < s.padded_d; ++x) dot += query[x] * b.keys[j * s.padded_d + x];
+      score[j] = dot;
+      top = std::max(top, dot);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < end; ++j) {
+      score[j] = std::exp(score[j] - top);
+      total += score[j];
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < end; ++j) {
+      for (int64_t x = 0; x < s.padded_d; ++x) acc[x] += score[j] * b.values[j * s.padded_d + x];
+    }
+    const float inverse = 1.0f / total;
+    const int64_t head = item.kv_head * s.groups + i / rows, row = item.rows[i % rows];
+    for (int64_t x = 0; x < s.d; ++x) store(out, (head * s.n + row) * s.d + x, acc[x] * inverse, s.bf16);
+  }
+}
+
+// ---- AVX-512 ----
+
+#define SPECOPS_AVX512 __attribute__((target("avx512f")))
+
+// e^x for x <= 0 (a softmax's inputs less their max): Cephes' expf, 2^n * p(r) with r = x - n ln 2.
+SPECOPS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+}
+
+// Lane j of the result: the sum of v[j]'s lanes, for 16 vectors (a transposing tree of adds, fixed order).
+SPECOPS_AVX512 inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k) {
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[2 * k]), c = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, c)));
+  }
+  // u[k]'s 128-bit lane L holds lane L's partial sums of v[4k..4k+3]; add the four lanes of each.
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// Keys j0..j0+15 (those below `keys`; zeros past them and past D) as fp32 rows of padded_d.
+SPECOPS_AVX512 void load_block(const void* base, int64_t j0, int64_t keys, const Shape& s, float* block) {
+  for (int64_t k = 0; k < kKeys; ++k) {
+    float* to = block + k * s.padded_d;
+    const int64_t j = j0 + k;
+    if (j >= keys) {
+      std::fill(to, to + s.padded_d, 0.0f);
+      continue;
+    }
+    int64_t x = 0;
+    if (s.bf16) {
+      const uint16_t* from = static_cast<const uint16_t*>(base) + j * s.d;
+      for (; x + kLanes <= s.d; x += kLanes) {  // bf16 -> fp32 is the 16 bits shifted up
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + x));
+        _mm512_storeu_ps(to + x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+      }
+    } else {
+      const float* from = static_cast<const float*>(base) + j * s.d;
+      for (; x + kLanes <= s.d; x += kLanes) _mm512_storeu_ps(to + x, _mm512_loadu_ps(from + x));
+    }
+    for (; x < s.d; ++x) to[x] = load_one(base, j * s.d + x, s.bf16);
+    std::fill(to + s.d, to + s.padded_d, 0.0f);
+  }
+}
+
+// Chunks: padded_d / 16, a constant so that a query's chunks and the accumulators stay in registers.
+template <int Chunks>
+SPECOPS_AVX512 void attend_item_avx512(const Item& item, const void* q, void* out, const Shape& s, Buffers& b) {
+  const int64_t rows = static_cast<int64_t>(item.rows.size()), queries = s.groups * rows;
+  const int64_t keys = *std::max_element(item.ends.begin(), item.ends.end());
+  const int64_t padded_keys = (keys + kKeys - 1) / kKeys * kKeys;
+  b.queries.assign(queries * s.padded_d, 0.0f);
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t from = ((item.kv_head * s.groups + i / rows) * s.n + item.rows[i % rows]) * s.d;
+    for (int64_t x = 0; x < s.d; ++x) b.queries[i * s.padded_d + x] = load_one(q, from + x, s.bf16) * s.scale;
+  }
+  b.scores.assign(queries * padded_keys, 0.0f);
+  b.block.resize(kKeys * s.padded_d);
+  // Scores, 16 keys at a time (converted once for every query): per key, the lane-wise products summed over
+  // the chunks of D, then the 16 keys' lanes summed at once.
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
+    load_block(item.keys, j0, keys, s, b.block.data());
+    for (int64_t i = 0; i < queries; ++i) {
+      if (j0 >= item.ends[i % rows]) continue;
+      __m512 query[Chunks], dots[kKeys];
+      for (int c = 0; c < Chunks; ++c) query[c] = _mm512_loadu_ps(&b.queries[i * s.padded_d + c * kLanes]);
+      for (int k = 0; k < kKeys; ++k) {
+        const float* key = &b.block[k * s.padded_d];
+        __m512 dot = _mm512_mul_ps(query[0], _mm512_loadu_ps(key));
+        for (int c = 1; c < Chunks; ++c) dot = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(key + c * kLanes), dot);
+        dots[k] = dot;
+      }
+      _mm512_storeu_ps(&b.scores[i * padded_keys + j0], sum16(dots));
+    }
+  }
+  // Softmax over each row's visible slots 0..end-1 (16 at a time, the last block masked); 1/sum kept apart.
+  std::vector<float> inverse(queries);
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t end = item.ends[i % rows];
+    float* score = &b.scores[i * padded_keys];
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < end; j += kLanes) {
+      const __mmask16 live = end - j >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (end - j)) - 1);
+      top = _mm512_mask_max_ps(top, live, top, _mm512_loadu_ps(score + j));
+    }
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded_keys; j += kLanes) {  // slots past `end` weigh 0
+      const __mmask16 live = j >= end ? 0 : end - j >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (end - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(score + j), max)));
+      _mm512_storeu_ps(score + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // The weighted sum of the values, 16 keys at a time (converted once for every query).
+  b.acc.assign(queries * s.padded_d, 0.0f);
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
+    load_block(item.values, j0, keys, s, b.block.data());
+    for (int64_t i = 0; i < queries; ++i) {
+      const int64_t live = std::min(kKeys, item.ends[i % rows] - j0);
+      if (live <= 0) continue;
+      float* acc = &b.acc[i * s.padded_d];
+      const float* weights = &b.scores[i * padded_keys + j0];
+      // The chunks of D are independent sums, so they run side by side, key after key (one chain per chunk).
+      __m512 sums[Chunks];
+      for (int c = 0; c < Chunks; ++c) sums[c] = _mm512_loadu_ps(acc + c * kLanes);
+      for (int64_t k = 0; k < live; ++k) {
+        const __m512 weight = _mm512_set1_ps(weights[k]);
+        const float* value = &b.block[k * s.padded_d];
+        for (int c = 0; c < Chunks; ++c) sums[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + c * kLanes), sums[c]);
+      }
+      for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(acc + c * kLanes, sums[c]);
+    }
+  }
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t head = item.kv_head * s.groups + i / rows, row = item.rows[i % rows];
+    for (int64_t x = 0; x < s.d; ++x) {
+      store(out, (head * s.n + row) * s.d + x, b.acc[i * s.padded_d + x] * inverse[i], s.bf16);
+    }
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("SPECOPS_NATIVE_PLAIN") == nullptr;
+  return yes;
+}
+
+}  // namespace
+
+const char* attention_path() { return has_avx512() ? "avx512" : "plain"; }
+
+void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendRows>& sequences) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "attend_rows: q and out must be "
+              "contiguous [heads, n, D] of one shape");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "attend_rows: bf16 or fp32 only");
+  std::vector<Item> items;
+  int64_t kv_heads = 0;
+  for (const AttendRows& s : sequences) {
+    TORCH_CHECK(s.keys.is_contiguous() && s.values.is_contiguous() && s.keys.scalar_type() == q.scalar_type(),
+                "attend_rows: caches must be contiguous and of q's dtype");
+    const bool tree = s.owner.has_value();
+    kv_heads = s.keys.size(tree ? 1 : 0);
+    const int64_t length = s.keys.size(-2), d = s.keys.size(-1), item_size = length * d;
+    const int64_t* ends = s.ends.data_ptr<int64_t>();
+    const int64_t* owner = tree ? s.owner->data_ptr<int64_t>() : nullptr;
+    const int64_t branches = tree ? *std::max_element(owner, owner + s.size) + 1 : 1;
+    for (int64_t branch = 0; branch < branches; ++branch) {
+      std::vector<int64_t> rows, row_ends;
+      for (int64_t r = 0; r < s.size; ++r) {
+        if (owner == nullptr || owner[r] == branch) {
+          TORCH_CHECK(ends[r] >= 1 && ends[r] <= length, "attend_rows: a row sees 1 to length slots");
+          rows.push_back(s.start + r);
+          row_ends.push_back(ends[r]);
+        }
+      }
+      if (rows.empty()) continue;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t offset = (branch * kv_heads + h) * item_size * s.keys.element_size();
+        items.push_back({static_cast<const char*>(s.keys.data_ptr()) + offset,
+                         static_cast<const char*>(s.values.data_ptr()) + offset, h, rows, row_ends});
+      }
+    }
+  }
+  if (items.empty()) return;
+  const int64_t heads = q.size(0), d = q.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && d <= 8 * kLanes, "attend_rows: query heads a multiple of kv heads, D <= 128");
+  const Shape shape{heads, heads / kv_heads, q.size(1), d, (d + kLanes - 1) / kLanes * kLanes,
+                    q.scalar_type() == at::kBFloat16, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)))};
+  const void* queries = q.data_ptr();
+  void* result = out.data_ptr();
+  const bool vector = has_avx512();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Buffers buffers;
+    for (int64_t i = begin; i < end; ++i) {
+      if (vector) {
+        switch (shape.padded_d / kLanes) {  // D <= 128
+          case 1: attend_item_avx512<1>(items[i], queries, result, shape, buffers); break;
+          case 2: attend_item_avx512<2>(items[i], queries, result, shape, buffers); break;
+          case 3: attend_item_avx512<3>(items[i], queries, result, shape, buffers); break;
+          case 4: attend_item_avx512<4>(items[i], queries, result, shape, buffers); break;
+          case 5: attend_item_avx512<5>(items[i], queries, result, shape, buffers); break;
+          case 6: attend_item_avx512<6>(items[i], queries, result, shape, buffers); break;
+          case 7: attend_item_avx512<7>(items[i], queries, result, shape, buffers); break;
+          default: attend_item_avx512<8>(items[i], queries, result, shape, buffers); break;
+        }
+      } else {
+        attend_item_plain(items[i], queries, result, shape, buffers);
+      }
+    }
+  });
+}
+
+}  // namespace specops
