@@ -77,6 +77,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from specops.core import native
 from specops.core.cost_model import CostModel, DecayedRatio, PassFit, PlaneFit, StepCosts
 from specops.core.llama import LlamaForward, Segment, llama_forward
 from specops.core.policies import batch_draft_length
@@ -95,7 +96,7 @@ def on_short_thread(work: Callable[[], T], name: str = "specops-setup") -> T:
     threads = torch.get_num_threads()  # the caller's: a new thread starts with the last value any thread set
 
     def run() -> T:
-        torch.set_num_threads(threads)
+        native.set_threads(threads)
         return work()
 
     with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
@@ -338,7 +339,7 @@ class PassBatcher:
             try:
                 # This thread's OpenMP team size (torch also makes it the default of threads started later;
                 # the server's slots set theirs per request).
-                torch.set_num_threads(self.threads)
+                native.set_threads(self.threads)
                 while True:
                     due, wait = self._due()
                     if due:

@@ -29,6 +29,8 @@ import os
 import types
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("native_decoder.cpp", "native_attention.cpp")]
@@ -56,6 +58,20 @@ def extension() -> types.ModuleType | None:
         log.warning("specops: the native decoder could not be built (%s: %s); passes run the Python loop.",
                     type(error).__name__, error)
         return None
+
+
+def set_threads(n: int) -> None:
+    """This thread's intra-op threads, set so that they stay. ATen gives a thread the process-wide last count any
+    thread set, once, at the thread's first parallel op, in libtorch and again in this extension (each inlines its
+    own once-per-thread initialisation). So a thread that set its count before its first op took whatever another
+    thread set meanwhile: a batched server's pass thread set 2, a generation thread set its own 1 per request, and
+    the pass thread then ran every pass on one core until it ended (whole load-test phases at half the cores).
+    Running both initialisations first, then setting, makes the count this thread's own."""
+    torch.get_num_threads()  # libtorch's initialisation for this thread
+    built = extension()
+    if built is not None:
+        built.init_threads()  # the extension's
+    torch.set_num_threads(n)
 
 
 def main() -> None:

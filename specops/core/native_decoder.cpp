@@ -179,6 +179,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         py::call_guard<py::gil_scoped_release>());
   m.def("attention_path", &specops::attention_path);
+  // ATen sets a thread's intra-op count from the process-wide last value any thread set, once per thread, at its
+  // first parallel op, and this extension inlines its own copy of that once (at::internal::lazy_init_num_threads):
+  // run it now, so that the count the thread sets next stays (specops.core.native.set_threads).
+  m.def("init_threads", [] { at::internal::lazy_init_num_threads(); });
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                     std::vector<Tensor>, std::vector<Tensor>, std::vector<OptionalTensor>, std::vector<OptionalTensor>,

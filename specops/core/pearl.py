@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specops.core import native
 from specops.core.drafter import Draft, Drafter
 from specops.core.kv import CachedLM, StaticLM
 from specops.core.loop import Cancelled, SpeculativeGenerator, prefill
@@ -59,11 +60,11 @@ def intra_op_threads(n: int) -> Iterator[None]:
     With the OpenMP backend the setting belongs to the calling thread (OpenMP's nthreads ICV): a
     thread that sets 1 leaves the others at theirs, so each side sets its own and restores it."""
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    native.set_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        native.set_threads(before)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from specops.core import native
 from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher, on_short_thread
 from specops.core.cost_model import measure_cost_model
 from specops.core.loop import GenerationRequestError, prompt_logprobs
@@ -275,7 +276,7 @@ class GenerationWorker:
             serving, generator, job = taken
             # Batched, the passes run on the batcher's thread with every core; this thread's own ops
             # (drafting, verification) take one, so it holds no OpenMP team of its own (specops.core.batching).
-            torch.set_num_threads(1 if serving.batcher is not None else self._cores)
+            native.set_threads(1 if serving.batcher is not None else self._cores)
             self._metrics.active.inc()
             try:
                 self._serve(job, serving.model, generator)

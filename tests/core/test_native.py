@@ -18,6 +18,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -260,3 +261,58 @@ def test_a_row_depends_only_on_its_query_and_its_visible_slots():
 def test_rows_that_see_one_slot_past_their_own_differ():
     """Mutant: ends one past each row's own slot; the next slot's contents then change its result."""
     assert not all(invariances(lambda pos: pos + 2))
+
+
+# ---- a thread's intra-op count ----
+
+def counts_after_another_thread_sets_one(setter: Callable[[int], None]) -> list[int]:
+    """A new thread sets 2 intra-op threads with `setter`; another thread then sets 1 (as a batched server's
+    generation threads do per request) before the first runs any op; the first then runs the kernel and an ATen
+    product: its count after each."""
+    kernel, counts = native.extension(), []
+    q = torch.randn(9, 4, 64).bfloat16()
+    keys = torch.randn(3, 64, 64).bfloat16()
+    set_here, set_there = threading.Event(), threading.Event()
+
+    def first() -> None:
+        setter(2)
+        set_here.set()
+        set_there.wait()
+        kernel.attend_rows(q, torch.zeros_like(q), [keys], [keys], [0], [torch.arange(60, 64)], [None])
+        counts.append(torch.get_num_threads())
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        counts.append(torch.get_num_threads())
+
+    def second() -> None:
+        set_here.wait()
+        torch.set_num_threads(1)
+        set_there.set()
+
+    before = torch.get_num_threads()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        torch.set_num_threads(before)  # the process-wide last value, which new threads start from
+    return counts
+
+
+def test_a_thread_s_count_stays_its_own():
+    assert counts_after_another_thread_sets_one(native.set_threads) == [2, 2]
+
+
+def test_torch_s_setter_alone_takes_another_thread_s_count():
+    """Mutant: the count set before the thread's first op, without initialising first (what the pass thread did)."""
+    assert counts_after_another_thread_sets_one(torch.set_num_threads) == [1, 1]
+
+
+def test_libtorch_s_initialisation_alone_leaves_the_kernel_s():
+    """Mutant: libtorch initialised first but not the extension, whose first parallel op then takes the 1."""
+    def libtorch_only(n: int) -> None:
+        torch.get_num_threads()
+        torch.set_num_threads(n)
+
+    assert counts_after_another_thread_sets_one(libtorch_only) == [1, 1]
