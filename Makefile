@@ -23,8 +23,8 @@ SPEC_STAMP := $(SPEC_VENV)/.installed-stamp
 # `dvc exp run --temp/--queue/--dry` run from a copy in .dvc/tmp/exps ("unable to open database file").
 setup: $(STAMP)
 	$(BIN)/dvc config --local core.site_cache_dir "$(CURDIR)/.cache/dvc-site"
-	# The native decoder (specops/core/native_decoder.cpp), built once into TORCH_EXTENSIONS_DIR (~40 s) and
-	# again when its source changes; a no-op once built.
+	# The native decoder (specops/core/native_*.cpp), built once into TORCH_EXTENSIONS_DIR (about a minute) and
+	# again when a source changes; a no-op once built.
 	$(BIN)/python -m specops.core.native
 
 $(STAMP): pyproject.toml constraints.txt

@@ -1,5 +1,5 @@
 """The built wheel ships everything the code needs: installed without the source tree, the CLI runs and
-the DeepSpeed strategies find their ZeRO configs (package data)."""
+the DeepSpeed strategies find their ZeRO configs and the native decoder its C++ sources (package data)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def test_wheel_installs_and_runs_without_the_source_tree(tmp_path):
     code = ("from specops.train.strategies import make_strategy\n"
             "for stage in (2, 3):\n"
             "    assert make_strategy(f'deepspeed_stage_{stage}').config['zero_optimization']['stage'] == stage\n"
+            "from specops.core import native\n"  # the native decoder's sources, which it builds where it runs
+            "assert all(path.is_file() for path in [*native.SOURCES, native.HEADER])\n"
             "print('ok')")
     out = subprocess.run([str(python), "-c", code], cwd=run, check=True, capture_output=True, text=True).stdout
     assert out.splitlines()[-1] == "ok"

@@ -29,7 +29,9 @@ then runs one generation at a time. tests/core/test_batching.py checks this on s
 benchmarks/load_test.py on the real target.
 
 One pass thread runs every pass (prefills too, each as a pass of its own), with all the intra-op
-threads; the generation threads run theirs (verification, streaming, model-free drafting) on one. A draft
+threads; the generation threads run theirs (verification, streaming, model-free drafting) on one. Each
+sets its count through specops.core.native.set_threads, or the pass thread can take a generation thread's
+1 at its first op and run every pass on one core (as it did, for whole load-test phases). A draft
 LM's passes can join (`forward_of`, specops.drafters.draft_lm.StaticDraftLM): each batch then runs one
 pass per model, the target's and the draft's. With OpenMP, every Python
 thread that runs a parallel op owns a team of worker threads, and once they outnumber the cores libgomp
