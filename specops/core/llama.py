@@ -56,8 +56,9 @@ PAD_LIMIT = 1024
 # (cache length, padded length, rows, caches) of LlamaForward.pads_exactly's check, on each side of PAD_LIMIT
 # and up to it: decoding and verification rows at the cache's last slots, which see the most keys.
 PAD_CHECKS = ((128, 192, 1, 1), (192, 448, 5, 3), (320, 1024, 3, 8), (1088, 2048, 5, 2), (2112, 8192, 1, 1))
-# What the native decoder's attention kernel takes (native_attention.cpp); other dtypes run the Python loop.
+# What the native decoder's attention kernel takes (native_attention.cpp); other models run the Python loop.
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+NATIVE_MAX_HEAD_DIM = 128
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -299,11 +300,12 @@ class LlamaForward(nn.Module):
     def _native(self) -> Any:
         """The native decoder over this model's weights (specops.core.native), or None where the Python loop
         runs: the extension not built (or SPECOPS_NATIVE=0), `use_native` off, torch.compile tracing, or a
-        dtype the attention kernel does not take (bf16 and fp32 only: fp64 test models). Grad mode does not
+        model the attention kernel does not take (bf16 and fp32 only, head_dim up to 128: fp64 test models). Grad mode does not
         matter (the weights are frozen copies, nothing in a pass requires grad, and the C++ loop runs without
         grad): the two runtimes attend with different rounding, and a pass run outside inference mode (a
         test's prefill, a script's) must not switch a sequence from one to the other."""
-        if not self.use_native or torch.compiler.is_compiling() or self.dtype not in NATIVE_DTYPES:
+        if (not self.use_native or torch.compiler.is_compiling() or self.dtype not in NATIVE_DTYPES
+                or self.head_dim > NATIVE_MAX_HEAD_DIM):
             return None
         extension = native.extension()
         if extension is None:

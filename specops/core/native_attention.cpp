@@ -12,7 +12,10 @@
 #include "native_attention.h"
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define SPECOPS_X86 1  // the AVX-512 loops are compiled in, and taken where the CPU has AVX-512
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -114,6 +117,7 @@ void attend_item_plain(const Item& item, const void* q, void* out, const Shape& 
   }
 }
 
+#ifdef SPECOPS_X86
 // ---- AVX-512 ----
 
 #define SPECOPS_AVX512 __attribute__((target("avx512f")))
@@ -255,9 +259,15 @@ SPECOPS_AVX512 void attend_item_avx512(const Item& item, const void* q, void* ou
   }
 }
 
+#endif  // SPECOPS_X86
+
 bool has_avx512() {
+#ifdef SPECOPS_X86
   static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("SPECOPS_NATIVE_PLAIN") == nullptr;
   return yes;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -303,10 +313,11 @@ void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendR
                     q.scalar_type() == at::kBFloat16, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)))};
   const void* queries = q.data_ptr();
   void* result = out.data_ptr();
-  const bool vector = has_avx512();
+  [[maybe_unused]] const bool vector = has_avx512();  // unused where only the plain loops are compiled in
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers buffers;
     for (int64_t i = begin; i < end; ++i) {
+#ifdef SPECOPS_X86
       if (vector) {
         switch (shape.padded_d / kLanes) {  // D <= 128
           case 1: attend_item_avx512<1>(items[i], queries, result, shape, buffers); break;
@@ -318,9 +329,10 @@ void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendR
           case 7: attend_item_avx512<7>(items[i], queries, result, shape, buffers); break;
           default: attend_item_avx512<8>(items[i], queries, result, shape, buffers); break;
         }
-      } else {
-        attend_item_plain(items[i], queries, result, shape, buffers);
+        continue;
       }
+#endif
+      attend_item_plain(items[i], queries, result, shape, buffers);
     }
   });
 }

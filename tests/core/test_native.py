@@ -316,3 +316,14 @@ def test_libtorch_s_initialisation_alone_leaves_the_kernel_s():
         torch.set_num_threads(n)
 
     assert counts_after_another_thread_sets_one(libtorch_only) == [1, 1]
+
+
+def test_heads_wider_than_the_kernel_takes_run_the_python_loop():
+    """head_dim 144: the Python loop runs the pass; made to run the native loop (the mutant), the kernel refuses."""
+    model = tiny_llama(0, layers=1, hidden=576, dtype=torch.bfloat16)
+    forward = llama_forward(model)[0]
+    assert forward.head_dim > 128 and forward._native() is None
+    with torch.inference_mode():
+        assert forward.forward_many(CASES["five rows"](forward))[0][0].shape[0] == 5
+        with mock.patch("specops.core.llama.NATIVE_MAX_HEAD_DIM", 1024), pytest.raises(RuntimeError, match="D <= 128"):
+            forward.forward_many(CASES["five rows"](forward))
