@@ -11,8 +11,8 @@ sums, without its reorder of every weight on every call): SmolLM2's 5-row bf16 p
 19.4 through F.linear. Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
 (its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
 pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
-its eager attention for decoding passes and SDPA for a prompt's prefill), so eager logits match its
-forward; compiled ones differ by kernel rounding, the same for every pass of the same shape, which is
+its eager attention for decoding passes and SDPA for a prompt's prefill), so the Python loop's eager logits
+match its forward (the native decoder's attention kernel rounds otherwise, within bf16's precision); compiled ones differ by kernel rounding, the same for every pass of the same shape, which is
 what batch invariance needs (specops.core.kv).
 
 Eager passes run their layers in C++ where the native decoder is built (specops.core.native: the same ATen
@@ -180,7 +180,7 @@ class LlamaForward(nn.Module):
         self.packed = _Packed([pack(w) for w in self.qkv], [pack(w) for w in self.o], [pack(w) for w in self.gate_up],
                               [pack(w) for w in self.down])
         self.packing = True  # False: F.linear on the plain weights, the same values (A/B timing: benchmarks/packed_linear.py)
-        self.use_native = True  # False: the Python loop, the same values (A/B timing: benchmarks/batched_pass.py)
+        self.use_native = True  # False: the Python loop (ATen's attention, which rounds otherwise: tests, A/B timing)
         self._native_decoder: tuple[_Packed, Any] | None = None  # built at the first pass that runs it (_native)
 
     @property

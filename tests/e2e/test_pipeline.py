@@ -94,8 +94,11 @@ def test_repro_registers_promotes_and_publishes(project, first_repro):
     evaluation = json.loads((project / "metrics" / "eval_report.json").read_text())
     assert MethodSpec.parse(evaluation["default"]["method"]).kind in params_of(project)["evaluate"][
         "bundle_drafters"]
-    # Lossless on the serving runtime: every method is bitwise our plain decoding in the same dtype.
-    assert all(row["identical_to_plain"] for row in evaluation["methods"].values())
+    # Lossless on the serving runtime: every method of ours is bitwise our plain decoding in the same dtype. HF's
+    # baselines (hf_*) are another runtime: in bf16 their attention rounds otherwise than our native kernel's.
+    ours = {name: row for name, row in evaluation["methods"].items() if not name.startswith("hf_")}
+    assert set(ours) >= {"plain", *params_of(project)["evaluate"]["methods"]}
+    assert all(row["identical_to_plain"] for row in ours.values()), ours
     evaluate = params_of(project)["evaluate"]
     assert evaluation["dtype"] == evaluate["dtype"]
     serving = yaml.safe_load((project / "bundles" / "champion" / "serving.yaml").read_text())
