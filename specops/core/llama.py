@@ -231,8 +231,9 @@ class LlamaForward(nn.Module):
 
     def forward_many(self, segments: list[Segment], head: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over several sequences, each with its own cache: the products run over all their rows
-        at once (the weights are read once), attention in one call over their caches padded to the longest
-        on each side of PAD_LIMIT (LlamaForward.pads_exactly; else one call per cache length). A row's result
+        at once (the weights are read once), attention per sequence over its own cache (the native kernel), or
+        in the Python loop in one call over their caches padded to the longest on each side of PAD_LIMIT
+        (LlamaForward.pads_exactly; else one call per cache length). A row's result
         does not depend on the other segments as long as the products are batch-invariant over the row
         count, which bf16 F.linear is on this CPU and fp32 is not (specops.core.batching).
         Per segment: its logits, or without `head` the final norm's output (a draft applies its own head),
@@ -349,7 +350,7 @@ class LlamaForward(nn.Module):
     def masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          hidden: torch.Tensor) -> torch.Tensor:
         """`attention` with the slots a row does not see given as `hidden` [B, 1, 1, W, L] (hidden_slots), as a
-        pass's attention plan holds them: built once a pass, not once a layer. Mirrored by native_decoder.cpp."""
+        pass's attention plan holds them: built once a pass, not once a layer (the Python loop's attention)."""
         b, _, w, d = q.shape
         groups = self.heads // self.kv_heads
         # GQA by folding each kv head's query heads into rows, not by repeating the keys (a copy per pass).
