@@ -12,8 +12,9 @@ sums, without its reorder of every weight on every call): SmolLM2's 5-row bf16 p
 (its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
 pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
 its eager attention for decoding passes and SDPA for a prompt's prefill), so the Python loop's eager logits
-match its forward (the native decoder's attention kernel rounds otherwise, within bf16's precision); compiled ones differ by kernel rounding, the same for every pass of the same shape, which is
-what batch invariance needs (specops.core.kv).
+match its forward (the native decoder's attention kernel rounds otherwise, within bf16's precision);
+compiled ones differ by kernel rounding, the same for every pass of the same shape, which is what batch
+invariance needs (specops.core.kv).
 
 Eager passes run their layers in C++ where the native decoder is built (specops.core.native: the same ATen
 ops in the same order for the products, norms and rotary, without ~45 Python dispatches a layer and without
@@ -301,9 +302,9 @@ class LlamaForward(nn.Module):
     def _native(self) -> Any:
         """The native decoder over this model's weights (specops.core.native), or None where the Python loop
         runs: the extension not built (or SPECOPS_NATIVE=0), `use_native` off, torch.compile tracing, or a
-        model the attention kernel does not take (bf16 and fp32 only, head_dim up to 128: fp64 test models). Grad mode does not
-        matter (the weights are frozen copies, nothing in a pass requires grad, and the C++ loop runs without
-        grad): the two runtimes attend with different rounding, and a pass run outside inference mode (a
+        model the attention kernel does not take (bf16 and fp32 only, head_dim up to 128: fp64 test models).
+        Grad mode does not matter (the weights are frozen copies, nothing in a pass requires grad, and the C++
+        loop runs without grad): the two runtimes attend with different rounding, and a pass run outside inference mode (a
         test's prefill, a script's) must not switch a sequence from one to the other."""
         if (not self.use_native or torch.compiler.is_compiling() or self.dtype not in NATIVE_DTYPES
                 or self.head_dim > NATIVE_MAX_HEAD_DIM):

@@ -51,9 +51,10 @@ def extension() -> types.ModuleType | None:
         digest = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
         # -fopenmp: ATen's parallel_for is a header template, serial unless the extension is built with OpenMP;
         # the libgomp.so.1 it links is the one torch has loaded already (the same soname), so one thread pool.
-        # A name per source folder: a checkout, a copy of the package (load_test --checkout) or an installed wheel
-        # each build their own, where one name made each rebuild over the other's whenever the other ran (a
-        # server started meanwhile waited a minute on the build, and a kill mid-build left its lock behind).
+        # A name per source folder: this checkout, another one served beside it (load_test --checkout) and an
+        # installed wheel (tests/test_wheel.py) each build their own. Under one name each rebuilt over the
+        # other's whenever the other ran: a server started meanwhile waited a minute on the build, and a
+        # kill mid-build left the build's lock behind.
         where = hashlib.sha256(str(HEADER.parent.resolve()).encode()).hexdigest()[:8]
         return load(name=f"specops_decoder_{where}", sources=[str(path) for path in SOURCES],
                     extra_cflags=["-O3", "-fopenmp", f"-DSPECOPS_HEADER={digest}"], extra_ldflags=["-fopenmp"],
