@@ -14,10 +14,13 @@ close to what the cores do at best a prefill already runs.
 `--checkout PATH` times another checkout's forward (its specops/core/llama.py, e.g. `git worktree add PATH
 COMMIT`) beside this one's on the same weights and caches, the two interleaved in one process, and checks
 that their outputs are bitwise equal: a change meant to be faster and to round alike, measured as both.
+`--onednn` does the same against this checkout's forward on oneDNN's packed products instead of our kernel's
+(specops.core.packed_linear; they round otherwise, so bitwise equal is false there).
 
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5 --prefills 128 256
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 5 --prefills 192 --checkout /tmp/old
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 3 5 --attention
+    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 3 --prefills 64 192 --onednn
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import torch
 
 from specops.core import native
 from specops.core.kv import StaticLM
-from specops.core.llama import LlamaForward, Segment, _AttentionPlan, llama_forward
+from specops.core.llama import LlamaForward, Segment, _AttentionPlan, _Packed, llama_forward
+from specops.core.packed_linear import pack
 from specops.core.target import load_target
 
 try:  # imported as benchmarks.batched_pass (the tests), or run as a script from benchmarks/
@@ -190,10 +194,20 @@ def tensors_equal(a: object, b: object) -> bool:
             and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True)))
 
 
-def compare(model: torch.nn.Module, checkout: Path, cases: list[str], rows: list[int], prefills: list[int],
+def onednn_forward(model: torch.nn.Module) -> LlamaForward:
+    """`model`'s eager forward with its products on oneDNN's packed weights, not our kernel's (packed_linear)."""
+    forward = LlamaForward(model).eval()
+    forward.packed = _Packed(*([pack(w, ours=False) for w in weights]
+                               for weights in (forward.qkv, forward.o, forward.gate_up, forward.down)))
+    forward.packed_head = pack(forward.head, ours=False)  # type: ignore[misc]  # the cached property, set
+    return forward
+
+
+def compare(model: torch.nn.Module, other: LlamaForward, cases: list[str], rows: list[int], prefills: list[int],
             repeats: int) -> list[dict]:
-    """This checkout's forward against `checkout`'s, case by case: both medians, checkout/this, bitwise equal."""
-    forwards = [llama_forward(model)[0], checkout_forward(model, checkout)]
+    """This checkout's forward against `other` (another checkout's, or this one's on oneDNN's products), case
+    by case: both medians, other/this ("checkout"), bitwise equal."""
+    forwards = [llama_forward(model)[0], other]
     jobs = [(f"{case} x{n} rows", runs_of(model, lengths_of(case), n, forwards)) for case in cases for n in rows]
     jobs += [(f"prefill of {tokens}", [forward_prefill_of(forward, tokens) for forward in forwards])
              for tokens in prefills]
@@ -243,22 +257,30 @@ def main() -> None:
                         help="also time each case's attention for one layer: the native kernel against ATen's")
     parser.add_argument("--checkout", type=Path, default=None,
                         help="time another checkout's forward beside this one's, interleaved, and compare outputs")
+    parser.add_argument("--onednn", action="store_true",
+                        help="time this checkout's forward beside itself on oneDNN's packed products instead of "
+                             "our kernel's, interleaved (as --checkout)")
     parser.add_argument("--out", default=None,
                         help="the JSON to write (default: benchmarks/results/batched_pass.json; with --checkout, "
                              "batched_pass_checkout.json)")
     args = parser.parse_args()
-    if args.checkout is not None and args.profile:
-        parser.error("--profile profiles this checkout's passes alone; leave out --checkout")
-    args.out = args.out or f"benchmarks/results/batched_pass{'_checkout' if args.checkout else ''}.json"
+    if (args.checkout is not None or args.onednn) and args.profile:
+        parser.error("--profile profiles this checkout's passes alone; leave out --checkout and --onednn")
+    if args.checkout is not None and args.onednn:
+        parser.error("--checkout and --onednn each take the other side of the comparison; give one")
+    suffix = "_checkout" if args.checkout else "_onednn" if args.onednn else ""
+    args.out = args.out or f"benchmarks/results/batched_pass{suffix}.json"
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="bfloat16").model
-    if args.checkout is not None:
+    if args.checkout is not None or args.onednn:
         with torch.inference_mode():
-            compared = compare(model, args.checkout.resolve(), args.cases, args.rows, args.prefills, args.repeats)
+            other = onednn_forward(model) if args.onednn else checkout_forward(model, args.checkout.resolve())
+            compared = compare(model, other, args.cases, args.rows, args.prefills, args.repeats)
+        checkout = ({"path": str(args.checkout), "code": code_version(args.checkout)} if args.checkout else
+                    "this checkout on oneDNN's packed products")
         Path(args.out).write_text(json.dumps({
             "threads": args.threads, "load_avg": os.getloadavg(), "this": code_version(Path(__file__).parent),
-            "checkout": {"path": str(args.checkout), "code": code_version(args.checkout)}, "compared": compared},
-            indent=2) + "\n")
+            "checkout": checkout, "compared": compared}, indent=2) + "\n")
         print(f"wrote {args.out}")
         return
     results, profiled = [], []

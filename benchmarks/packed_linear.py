@@ -7,8 +7,10 @@ Two parts, both eager (the runtime `specops serve` batches), bf16, on the static
    the lean forward's packed products and with F.linear, alternating.
 2. The benchmark, methods interleaved prompt by prompt (specops.eval.benchmark): HF greedy (the
    baseline), our plain decoding and each drafter with packed products, and the same with F.linear
-   (the target's and a draft LM's lean forward; a draft head or exit heads stay packed). Each run must
-   equal our plain decoding bitwise on every prompt: the packed products are F.linear's sums. With
+   (the target's and a draft LM's lean forward; a draft head or exit heads stay packed). Where the
+   weights are in oneDNN's packing (SPECOPS_NATIVE=0, or a CPU without AVX-512 bf16) each run must equal
+   our plain decoding bitwise on every prompt, its products being F.linear's sums; our kernel's round
+   otherwise (specops.core.packed_linear), and batched_pass.py --onednn times it against oneDNN's. With
    `--compiled`, plain decoding through torch.compile runs too (its own rounding: not compared).
 
     .venv/bin/python benchmarks/packed_linear.py --dataset humaneval --n 10 --max-new-tokens 128 \

@@ -91,7 +91,7 @@ def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(
     (tmp_path / "specops" / "core" / "llama.py").write_text(text)
     model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
     with torch.inference_mode():
-        rows = compare(model, tmp_path, ["128", "128,192"], [1, 3], [20], repeats=2)
+        rows = compare(model, checkout_forward(model, tmp_path), ["128", "128,192"], [1, 3], [20], repeats=2)
     assert [row["case"] for row in rows] == ["128 x1 rows", "128 x3 rows", "128,192 x1 rows", "128,192 x3 rows",
                                              "prefill of 20"]
     assert all(row["this_ms"] > 0 and row["checkout_ms"] > 0 for row in rows)

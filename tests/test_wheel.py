@@ -48,7 +48,7 @@ def test_wheel_installs_and_runs_without_the_source_tree(tmp_path):
             "for stage in (2, 3):\n"
             "    assert make_strategy(f'deepspeed_stage_{stage}').config['zero_optimization']['stage'] == stage\n"
             "from specops.core import native\n"  # the native decoder's sources, which it builds where it runs
-            "assert all(path.is_file() for path in [*native.SOURCES, native.HEADER])\n"
+            "assert all(path.is_file() for path in [*native.SOURCES, *native.HEADERS])\n"
             "print('ok')")
     out = subprocess.run([str(python), "-c", code], cwd=run, check=True, capture_output=True, text=True).stdout
     assert out.splitlines()[-1] == "ok"

@@ -6,13 +6,15 @@ of which the matrix products streaming the weights were about 25. Here one pass 
 few elementwise ops per layer, in the spirit of gpt-fast: q, k and v come from one fused product, gate
 and up from another, the rotary tables are built once per cache, keys and values are written in place.
 
-Eager, the products run on weights packed once into oneDNN's layout (specops.core.packed_linear: F.linear's
-sums, without its reorder of every weight on every call): SmolLM2's 5-row bf16 pass took 15.7 ms against
-19.4 through F.linear. Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
+Eager, the products run on weights packed once (specops.core.packed_linear): for our kernel
+(native_linear.cpp) where this CPU runs it, which streams the weights faster for a few rows and sums each
+output in a fixed order, else in oneDNN's layout (F.linear's sums, without its reorder of every weight on
+every call: SmolLM2's 5-row bf16 pass took 15.7 ms against 19.4 through F.linear). Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
 (its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
 pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
 its eager attention for decoding passes and SDPA for a prompt's prefill), so the Python loop's eager logits
-match its forward (the native decoder's attention kernel rounds otherwise, within bf16's precision);
+on oneDNN's products match its forward (our product and attention kernels round otherwise, within bf16's
+precision);
 compiled ones differ by kernel rounding, the same for every pass of the same shape, which is what batch
 invariance needs (specops.core.kv).
 
@@ -125,7 +127,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class _Packed(NamedTuple):
-    """LlamaForward's decoder weights in oneDNN's layout, per layer (None where F.linear stays)."""
+    """LlamaForward's decoder weights packed (packed_linear.pack), per layer (None where F.linear stays)."""
 
     qkv: list[torch.Tensor | None]
     o: list[torch.Tensor | None]
@@ -175,12 +177,12 @@ class LlamaForward(nn.Module):
         tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         self.head = self.embed if tied else _frozen(model.lm_head.weight)
         self.dtype = model.dtype
-        # The eager passes' products on weights packed once (bf16 on a CPU: F.linear's sums, the products about
-        # twice as fast); a plain attribute, not parameters, so torch.compile sees only the plain weights and
+        # The eager passes' products on weights packed once (bf16 on a CPU: our kernel's or oneDNN's, the
+        # products two to three times as fast as F.linear's); a plain attribute, not parameters, so torch.compile sees only the plain weights and
         # packs its own. A copy: a LlamaForward is rebuilt when the weights change (llama_forward).
         self.packed = _Packed([pack(w) for w in self.qkv], [pack(w) for w in self.o], [pack(w) for w in self.gate_up],
                               [pack(w) for w in self.down])
-        self.packing = True  # False: F.linear on the plain weights, the same values (A/B timing: benchmarks/packed_linear.py)
+        self.packing = True  # False: F.linear on the plain weights (A/B timing: benchmarks/packed_linear.py)
         self.use_native = True  # False: the Python loop (ATen's attention, which rounds otherwise: tests, A/B timing)
         self._native_decoder: tuple[_Packed, Any] | None = None  # built at the first pass that runs it (_native)
 

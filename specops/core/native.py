@@ -1,10 +1,12 @@
 """The lean forward's decoder layers in C++: native_decoder.cpp runs a pass's layers without the interpreter
-between its ops and without the GIL, and native_attention.cpp is its attention kernel.
+between its ops and without the GIL, native_attention.cpp is its attention kernel and native_linear.cpp its
+bf16 product kernel (specops.core.packed_linear packs the weights for it where this CPU has AVX-512 bf16).
 
 The Python loop (LlamaForward._layers_python) dispatches ~45 ops a layer, 1,350 for SmolLM2's 30 layers, at a
-few microseconds each, and after each one takes the GIL back. The C++ loop calls the same ATen functions on the
-same tensors in the same order for everything but attention, so its products, norms, rotary and cache writes
-are the Python loop's bit for bit, and holds no GIL from a pass's first layer to its last.
+few microseconds each, and after each one takes the GIL back. The C++ loop calls the same functions on the
+same tensors in the same order for everything but attention (the products through packed_linear's choice of
+kernel for each weight, as the Python loop), so its products, norms, rotary and cache writes are the Python
+loop's bit for bit, and holds no GIL from a pass's first layer to its last.
 
 Its attention is a kernel of its own: each (sequence, kv head) reads its cache in place, only the slots its rows
 see, in fp32, where ATen's attention stacks a batch's caches padded to the longest every layer. A row's result
@@ -33,8 +35,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("native_decoder.cpp", "native_attention.cpp")]
-HEADER = Path(__file__).with_name("native_attention.h")
+SOURCES = [Path(__file__).with_name(name) for name in ("native_decoder.cpp", "native_attention.cpp",
+                                                       "native_linear.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("native_attention.h", "native_linear.h")]
 ENV = "SPECOPS_NATIVE"  # "0": never build or use the extension
 
 
@@ -47,15 +50,15 @@ def extension() -> types.ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
-        digest = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag.
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
         # -fopenmp: ATen's parallel_for is a header template, serial unless the extension is built with OpenMP;
         # the libgomp.so.1 it links is the one torch has loaded already (the same soname), so one thread pool.
         # A name per source folder: this checkout, another one served beside it (load_test --checkout) and an
         # installed wheel (tests/test_wheel.py) each build their own. Under one name each rebuilt over the
         # other's whenever the other ran: a server started meanwhile waited a minute on the build, and a
         # kill mid-build left the build's lock behind.
-        where = hashlib.sha256(str(HEADER.parent.resolve()).encode()).hexdigest()[:8]
+        where = hashlib.sha256(str(Path(__file__).parent.resolve()).encode()).hexdigest()[:8]
         return load(name=f"specops_decoder_{where}", sources=[str(path) for path in SOURCES],
                     extra_cflags=["-O3", "-fopenmp", f"-DSPECOPS_HEADER={digest}"], extra_ldflags=["-fopenmp"],
                     verbose=False)

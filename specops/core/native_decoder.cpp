@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include "native_attention.h"
+#include "native_linear.h"
 
 #include <cmath>
 #include <limits>
@@ -66,8 +67,11 @@ Tensor packed_product(const Tensor& x, const Tensor& packed) {
   return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
+// x @ weight.T as specops.core.packed_linear.linear computes it: on the packed weight, ours
+// (native_linear.cpp) or oneDNN's (an opaque mkldnn tensor), or F.linear's where there is none.
 Tensor product(const Tensor& x, const Tensor& weight, const OptionalTensor& packed) {
-  return packed ? packed_product(x, *packed) : at::linear(x, weight);
+  if (!packed) return at::linear(x, weight);
+  return packed->is_mkldnn() ? packed_product(x, *packed) : specops::linear_packed(x, *packed);
 }
 
 // llama.rms_norm: the statistics in float32, the scale in the model dtype.
@@ -179,6 +183,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         py::call_guard<py::gil_scoped_release>());
   m.def("attention_path", &specops::attention_path);
+  m.def("linear_supported", &specops::linear_supported);
+  m.def("pack_linear", &specops::pack_linear);
+  m.def("linear_packed", &specops::linear_packed, py::call_guard<py::gil_scoped_release>());
   // ATen sets a thread's intra-op count from the process-wide last value any thread set, once per thread, at its
   // first parallel op, and this extension inlines its own copy of that once (at::internal::lazy_init_num_threads):
   // run it now, so that the count the thread sets next stays (specops.core.native.set_threads).
