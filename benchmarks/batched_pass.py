@@ -39,7 +39,7 @@ import torch
 
 from specops.core import native
 from specops.core.kv import StaticLM
-from specops.core.llama import LlamaForward, Segment, _AttentionPlan, _Packed, llama_forward
+from specops.core.llama import LlamaForward, Segment, _AttentionPlan, llama_forward
 from specops.core.packed_linear import pack
 from specops.core.target import load_target
 
@@ -197,8 +197,7 @@ def tensors_equal(a: object, b: object) -> bool:
 def onednn_forward(model: torch.nn.Module) -> LlamaForward:
     """`model`'s eager forward with its products on oneDNN's packed weights, not our kernel's (packed_linear)."""
     forward = LlamaForward(model).eval()
-    forward.packed = _Packed(*([pack(w, ours=False) for w in weights]
-                               for weights in (forward.qkv, forward.o, forward.gate_up, forward.down)))
+    forward.packed = forward.packed_weights(ours=False)
     forward.packed_head = pack(forward.head, ours=False)  # type: ignore[misc]  # the cached property, set
     return forward
 

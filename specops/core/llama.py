@@ -9,8 +9,8 @@ and up from another, the rotary tables are built once per cache, keys and values
 Eager, the products run on weights packed once (specops.core.packed_linear): for our kernel
 (native_linear.cpp) where this CPU runs it, which streams the weights faster for a few rows and sums each
 output in a fixed order, else in oneDNN's layout (F.linear's sums, without its reorder of every weight on
-every call: SmolLM2's 5-row bf16 pass took 15.7 ms against 19.4 through F.linear). Compiled (`compiled=True`), inductor freezes the weights, autotunes each product
-(its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
+every call: SmolLM2's 5-row bf16 pass took 15.7 ms against 19.4 through F.linear). Compiled
+(`compiled=True`), inductor freezes the weights, autotunes each product (its C++ GEMM template against ATen's mm; here ATen's mostly wins) and fuses the elementwise ops: the same
 pass took 14-19 ms (docs/results.md). The ops mirror transformers' Llama (RMSNorm statistics in float32, rotate_half,
 its eager attention for decoding passes and SDPA for a prompt's prefill), so the Python loop's eager logits
 on oneDNN's products match its forward (our product and attention kernels round otherwise, within bf16's
@@ -178,10 +178,9 @@ class LlamaForward(nn.Module):
         self.head = self.embed if tied else _frozen(model.lm_head.weight)
         self.dtype = model.dtype
         # The eager passes' products on weights packed once (bf16 on a CPU: our kernel's or oneDNN's, the
-        # products two to three times as fast as F.linear's); a plain attribute, not parameters, so torch.compile sees only the plain weights and
-        # packs its own. A copy: a LlamaForward is rebuilt when the weights change (llama_forward).
-        self.packed = _Packed([pack(w) for w in self.qkv], [pack(w) for w in self.o], [pack(w) for w in self.gate_up],
-                              [pack(w) for w in self.down])
+        # products two to three times as fast as F.linear's); a plain attribute, not parameters, so
+        # torch.compile sees only the plain weights and packs its own. A copy: a LlamaForward is rebuilt when the weights change (llama_forward).
+        self.packed = self.packed_weights()
         self.packing = True  # False: F.linear on the plain weights (A/B timing: benchmarks/packed_linear.py)
         self.use_native = True  # False: the Python loop (ATen's attention, which rounds otherwise: tests, A/B timing)
         self._native_decoder: tuple[_Packed, Any] | None = None  # built at the first pass that runs it (_native)
@@ -189,6 +188,11 @@ class LlamaForward(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.qkv)
+
+    def packed_weights(self, ours: bool = True) -> _Packed:
+        """The decoder's weights packed for the eager passes (packed_linear.pack; `ours` False: oneDNN's packing
+        even where our kernel runs, an A/B of the kernels)."""
+        return _Packed(*([pack(w, ours) for w in weights] for weights in (self.qkv, self.o, self.gate_up, self.down)))
 
     def new_cache(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (self.kv_heads, length, self.head_dim)

@@ -170,8 +170,7 @@ def test_the_lean_forward_runs_on_packed_weights(ours):
 
     original = forward.packed
     try:
-        kind = _Packed(*([pack(w, ours) for w in weights]
-                         for weights in (forward.qkv, forward.o, forward.gate_up, forward.down)))
+        kind = forward.packed_weights(ours)
         packed, plain = logits(kind), logits(_Packed.none(forward.num_layers))
         if ours:
             assert torch.allclose(packed.float(), plain.float(), atol=0.1)
