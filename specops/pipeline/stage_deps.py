@@ -16,12 +16,14 @@ import ast
 from functools import cache
 from pathlib import Path
 
+from specops.core.native import HEADERS, SOURCES
+
 PACKAGE = Path(__file__).resolve().parents[1]  # specops/
 REPO = PACKAGE.parent
 STAGE_FILES = {"dvc.yaml": "specops.pipeline.stages", "osd/dvc.yaml": "specops.pipeline.osd_steps"}
 # Code a module runs that is not Python: listed beside the module wherever it is (a folder listed whole has it).
-COMPANIONS = {"specops/core/native.py": ["specops/core/native_attention.cpp", "specops/core/native_attention.h",
-                                          "specops/core/native_decoder.cpp"]}
+# The native decoder's sources and headers as native.py builds them, so a new source cannot be left out here.
+COMPANIONS = {"specops/core/native.py": [path.relative_to(REPO).as_posix() for path in (*SOURCES, *HEADERS)]}
 # Stage name in a dvc.yaml -> function in its stage file (the OSD stages are `osd_<step>`).
 STAGE_FUNCTIONS = {"dvc.yaml": lambda stage: stage, "osd/dvc.yaml": lambda stage: stage.removeprefix("osd_")}
 
