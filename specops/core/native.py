@@ -24,11 +24,14 @@ attention as ATen does. torch.compile traces the Python loop (an extension is op
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import threading
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,10 +44,18 @@ HEADERS = [Path(__file__).with_name(name) for name in ("native_attention.h", "na
 ENV = "SPECOPS_NATIVE"  # "0": never build or use the extension
 
 
-@functools.cache
+_FIRST_USE = threading.Lock()  # threads that first use it at once (a server's pass and packing threads) load it once
+
+
 def extension() -> types.ModuleType | None:
     """The built extension, building it on first use; None with SPECOPS_NATIVE=0 or where it cannot be built
     (logged once: the Python loop then runs every pass)."""
+    with _FIRST_USE:
+        return _built()
+
+
+@functools.cache
+def _built() -> types.ModuleType | None:
     if os.environ.get(ENV, "1") == "0":
         return None
     try:
@@ -59,13 +70,35 @@ def extension() -> types.ModuleType | None:
         # other's whenever the other ran: a server started meanwhile waited a minute on the build, and a
         # kill mid-build left the build's lock behind.
         where = hashlib.sha256(str(Path(__file__).parent.resolve()).encode()).hexdigest()[:8]
-        return load(name=f"specops_decoder_{where}", sources=[str(path) for path in SOURCES],
-                    extra_cflags=["-O3", "-fopenmp", f"-DSPECOPS_HEADER={digest}"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        with _environment_ninja():
+            return load(name=f"specops_decoder_{where}", sources=[str(path) for path in SOURCES],
+                        extra_cflags=["-O3", "-fopenmp", f"-DSPECOPS_HEADER={digest}"], extra_ldflags=["-fopenmp"],
+                        verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the Python loop is the same function
         log.warning("specops: the native decoder could not be built (%s: %s); passes run the Python loop.",
                     type(error).__name__, error)
         return None
+
+
+@contextlib.contextmanager
+def _environment_ninja() -> Iterator[None]:
+    """PATH with this Python environment's ninja first (the `ninja` package's), while torch builds: torch runs
+    the `ninja` on PATH, and two ninjas hash a build's commands differently, so each rebuilt everything the
+    other had built. A fresh clone's `make test` did (this venv's ninja 1.13 for processes with .venv/bin on
+    PATH, the system's 1.11 for the others): a minute's rebuild each time one followed the other, which held a
+    server past its readiness limit and, killed mid-build, left the build's lock behind. Without the package,
+    PATH's ninja (one, for every process)."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 def set_threads(n: int) -> None:

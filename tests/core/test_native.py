@@ -327,3 +327,20 @@ def test_heads_wider_than_the_kernel_takes_run_the_python_loop():
         assert forward.forward_many(CASES["five rows"](forward))[0][0].shape[0] == 5
         with mock.patch("specops.core.llama.NATIVE_MAX_HEAD_DIM", 1024), pytest.raises(RuntimeError, match="D <= 128"):
             forward.forward_many(CASES["five rows"](forward))
+
+
+@pytest.mark.parametrize("venv_first", [True, False])
+def test_a_process_loads_the_build_whatever_ninja_its_path_finds_first(venv_first):
+    """Two ninjas (this venv's, the system's) hash a build's commands differently, so a process whose PATH found
+    the other one rebuilt the whole extension (a minute; in `make test` a server killed mid-build left the
+    build's lock). native builds with the environment's ninja whatever PATH says: a process with this venv's
+    bin folder first on PATH, or left out of it, loads the build there is."""
+    built = Path(native.extension().__file__)
+    before = built.stat().st_mtime_ns
+    venv_bin = str(Path(sys.executable).parent)
+    others = [entry for entry in os.environ.get("PATH", "").split(os.pathsep) if entry != venv_bin]
+    env = {**os.environ, "PATH": os.pathsep.join([venv_bin, *others] if venv_first else others)}
+    done = subprocess.run([sys.executable, "-c", "from specops.core import native; assert native.extension()"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert built.stat().st_mtime_ns == before  # loaded, not rebuilt
