@@ -232,10 +232,20 @@ def pass_seconds(text: str) -> dict[str, float]:
             re.findall(r'^specops_pass_seconds_total\{kind="(\w+)"\} (\S+)$', text, re.MULTILINE)}
 
 
+def prompt_counts(text: str) -> tuple[float, float]:
+    """Prompt tokens of the requests finished so far, and those the prefix cache held (0 where a server has no
+    prefix cache), from its /metrics text."""
+    def total(name: str) -> float:
+        found = re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+    return total("specops_prompt_tokens"), total("specops_cached_prompt_tokens")
+
+
 def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concurrency: int,
               max_tokens: int) -> tuple[dict[str, Any], list[Result]]:
     rows_before = rows_logged(server.db)
-    busy_before = pass_seconds(scrape(server.url))
+    before = scrape(server.url)
+    busy_before, prompts_before = pass_seconds(before), prompt_counts(before)
     cpu_before = time.process_time(), process_cpu_s(server.process.pid)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -247,11 +257,14 @@ def run_phase(server: ServerProcess, prompts: list[list[dict[str, str]]], concur
     busy = {kind: round(seconds - busy_before.get(kind, 0.0), 3) for kind, seconds in pass_seconds(metrics).items()}
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
+    prompt_tokens, cached = (now - was for now, was in zip(prompt_counts(metrics), prompts_before, strict=True))
     drafted = sum(r.drafted for r in ok)
     summary = {
         "requests": len(results), "errors": len(results) - len(ok), "wall_s": round(wall, 2),
         "throughput_tok_s": round(tokens / wall, 2), "requests_per_s": round(len(ok) / wall, 3),
         "completion_tokens": tokens,
+        # The prompts' tokens, and those whose keys and values came from the prefix cache (--prefix-cache-mb).
+        "prompt_tokens": int(prompt_tokens), "cached_prompt_tokens": int(cached),
         "latency_p50_s": percentile([r.latency_s for r in ok], 50),
         "latency_p99_s": percentile([r.latency_s for r in ok], 99),
         "ttft_p50_s": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50),

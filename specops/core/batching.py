@@ -18,7 +18,8 @@ weight shape at 1 and 2 threads (one row can take another kernel, hence `types.M
 1 to 1024 rows on random weights of those shapes, a row anywhere in the pass; oneDNN's packed products are
 F.linear's sums, and our product kernel (specops.core.packed_linear, native_linear.cpp, where this CPU runs
 it) sums each output of a row in a fixed order, alone or beside any rows. The native attention kernel
-computes a row from its query and its visible slots alone, whatever else is in the pass;
+computes a row from its query and its visible slots alone, whatever else is in the pass (a prompt's rows too,
+so a prompt prefilled in any chunks is bitwise its one-pass prefill: specops.core.prefix_cache);
 `LlamaForward.attention` (the Python loop's) agrees over query counts and batch sizes as measured (SDPA's
 flash kernel did not: it changed rows with the query count on the real target). The measured ones hold only while every product
 runs on oneDNN: torch sends a CPU matmul there when batch x m x n x k exceeds 16**3 and sums smaller ones

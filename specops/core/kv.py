@@ -231,6 +231,7 @@ class StaticLM:
         self.head = head
         self.features: torch.Tensor | None = None
         self.length = 0  # committed tokens in the cache; slots past it are stale
+        self.reused = 0  # of the prompt's tokens, those copied from a cache rather than computed (PrefixCache)
         from specops.core.batching import batch_invariant  # batching imports this module
 
         self.trees = not compiled and batch_invariant(model)  # whether forward_tree is exact here
@@ -356,7 +357,9 @@ class StaticLM:
                 self.features)
 
     def restore(self, state: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]) -> None:
-        """Write a snapshot back into this (fresh) cache: the same slots, the same bits."""
+        """Write a snapshot back into this (fresh) cache: the same slots, the same bits. Also a prompt's first
+        tokens from another prompt's (specops.core.prefix_cache): their keys and values [kv_heads, n, D] per layer
+        and their features."""
         keys, values, self.features = state
         for cache, saved in zip((*self.keys, *self.values), (*keys, *values), strict=True):
             cache[:, : saved.shape[1]] = saved

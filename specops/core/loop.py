@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,8 +38,9 @@ def prefill(lm: CachedLM | StaticLM, token_ids: list[int], chunk: int, cancelled
 
     A prompt no longer than the chunk is one pass, as HF's generate prefills it. A longer one is
     numerically a different computation (the chunks' products and attention reduce over other shapes),
-    so its logits may round differently from a one-pass prefill's; plain and speculative decoding share
-    this function, so they still share the same prefill bit for bit. Chunks write cache slots in order,
+    so its logits may round differently from a one-pass prefill's, except on the native decoder in bf16,
+    where a prompt's rows do not depend on the pass (specops.core.prefix_cache); plain and speculative
+    decoding share this function, so they still share the same prefill bit for bit. Chunks write cache slots in order,
     so the cache ends as a one-pass prefill leaves it (the static cache needs no more room).
     """
     size = chunk if chunk > 0 else max(len(token_ids), 1)
@@ -53,6 +54,12 @@ def prefill(lm: CachedLM | StaticLM, token_ids: list[int], chunk: int, cancelled
     if features:  # feature-reading drafters observe the whole prompt, as after one pass
         lm.features = torch.cat(features)
     return True
+
+
+class PromptFill(Protocol):
+    """What a generator prefills its prompts through instead of `prefill`: the same result, some of it reused."""
+
+    def prefill(self, lm: StaticLM, token_ids: list[int], chunk: int, cancelled: Cancelled | None = None) -> bool: ...
 
 
 class PrefillCache:
@@ -70,6 +77,7 @@ class PrefillCache:
         key = (lm.eager, lm.max_length, chunk, tuple(token_ids))  # the module itself: an id could be reused
         if key == self.key:
             lm.restore(self.state)
+            lm.reused = len(token_ids)
             return True
         if not prefill(lm, token_ids, chunk, cancelled):
             return False
@@ -115,7 +123,7 @@ class SpeculativeGenerator:
     def __init__(self, target: Target, drafter: Drafter | None = None, verifier: str = "greedy",
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: DraftLengthPolicy | None = None,
                  static_width: int = 0, compiled: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 batcher: PassBatcher | None = None, prefill_cache: PrefillCache | None = None) -> None:
+                 batcher: PassBatcher | None = None, prefill_cache: PromptFill | None = None) -> None:
         """`policy` decides the draft length of each step (specops/core/policies.py); without one, every
         step drafts `draft_tokens`.
 
@@ -128,7 +136,8 @@ class SpeculativeGenerator:
         `compiled` runs the static runtime's passes through torch.compile (specops.core.llama).
         `prefill_chunk` bounds the tokens of one prefill pass (0: the whole prompt in one), see `prefill`.
         `batcher` runs the static runtime's passes batched with other generations' (specops.core.batching).
-        `prefill_cache` (static runtime only) reuses the last prompt's prefill, shared with other generators."""
+        `prefill_cache` (static runtime only) prefills prompts reusing what other generations computed: the last
+        prompt's whole prefill (PrefillCache), or prompts' first blocks (specops.core.prefix_cache.PrefixCache)."""
         if verifier not in VERIFIERS:
             raise ValueError(f"Unknown verifier '{verifier}'. Choose one of: {', '.join(VERIFIERS)}.")
         if draft_tokens < 0:
@@ -207,6 +216,8 @@ class SpeculativeGenerator:
             if not fill(lm, context[:-1], self.prefill_chunk, cancelled):  # type: ignore[arg-type]
                 out.finish_reason = "cancelled"
                 return
+            if self.prefill_cache is not None:  # the static runtime's (checked in __init__)
+                stats.cached_prompt_tokens = lm.reused  # type: ignore[union-attr]
             if self.drafter is not None:
                 self.drafter.reset()
                 self.drafter.share_runtime(lm)

@@ -27,6 +27,7 @@ namespace {
 
 constexpr int64_t kKeys = 16;  // keys scored together
 constexpr int64_t kLanes = 16;  // floats in an AVX-512 register
+constexpr size_t kItemRows = 32;  // rows of one sequence attending in one work item at most
 
 // One kv head of one sequence (of one branch, for a tree) and the pass rows that attend in it.
 struct Item {
@@ -298,11 +299,17 @@ void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendR
           row_ends.push_back(ends[r]);
         }
       }
-      if (rows.empty()) continue;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t offset = (branch * kv_heads + h) * item_size * s.keys.element_size();
-        items.push_back({static_cast<const char*>(s.keys.data_ptr()) + offset,
-                         static_cast<const char*>(s.values.data_ptr()) + offset, h, rows, row_ends});
+      // A prompt's rows go in blocks of kItemRows: more items for the threads to share, and each item's scores
+      // [groups x rows, keys] stay small; a row's result does not depend on which item it is in.
+      for (size_t first = 0; first < rows.size(); first += kItemRows) {
+        const size_t last = std::min(rows.size(), first + kItemRows);
+        const std::vector<int64_t> block(rows.begin() + first, rows.begin() + last);
+        const std::vector<int64_t> block_ends(row_ends.begin() + first, row_ends.begin() + last);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t offset = (branch * kv_heads + h) * item_size * s.keys.element_size();
+          items.push_back({static_cast<const char*>(s.keys.data_ptr()) + offset,
+                           static_cast<const char*>(s.values.data_ptr()) + offset, h, block, block_ends});
+        }
       }
     }
   }

@@ -38,15 +38,8 @@ struct Sequence {
   OptionalTensor owner;
 };
 
-// A long sequence (a prefill) attending through SDPA over its first `end` slots: mask None is causal.
-struct Flash {
-  int64_t sequence, end;
-  OptionalTensor mask;
-};
-
 struct Plan {
   std::vector<Sequence> sequences;
-  std::vector<Flash> flash;
 };
 
 // A Python number as Python passes it to an op: a double "wrapped number" tensor, which a bf16 op reads in its
@@ -134,27 +127,13 @@ class Decoder {
   }
 
  private:
-  // Attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`: the kernel for decoding and
-  // verification rows, SDPA for prefills (_AttentionPlan.attend's flash segments).
+  // Attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`: every row through the kernel, a
+  // prompt's too, so that a prompt's rows do not depend on how it is cut into passes (specops.core.prefix_cache).
   Tensor attend(const Tensor& q, int64_t layer, const Plan& plan, int64_t n) const {
     Tensor att = q.new_zeros({heads_, n, head_dim_});
-    std::vector<bool> flashed(plan.sequences.size(), false);
-    for (const Flash& flash : plan.flash) flashed[flash.sequence] = true;
     std::vector<specops::AttendRows> rows;
-    for (size_t j = 0; j < plan.sequences.size(); ++j) {
-      const Sequence& s = plan.sequences[j];
-      if (!flashed[j]) rows.push_back({s.keys[layer], s.values[layer], s.start, s.size, s.ends, s.owner});
-    }
+    for (const Sequence& s : plan.sequences) rows.push_back({s.keys[layer], s.values[layer], s.start, s.size, s.ends, s.owner});
     specops::attend_rows(q, att, rows);
-    for (const Flash& flash : plan.flash) {
-      const Sequence& s = plan.sequences[flash.sequence];
-      att.slice(1, s.start, s.start + s.size)
-          .copy_(at::scaled_dot_product_attention(
-                     q.unsqueeze(0).slice(2, s.start, s.start + s.size), s.keys[layer].unsqueeze(0).slice(2, 0, flash.end),
-                     s.values[layer].unsqueeze(0).slice(2, 0, flash.end), flash.mask, 0.0, !flash.mask.has_value(),
-                     std::nullopt, true)
-                     .select(0, 0));
-    }
     return att;
   }
 
@@ -170,8 +149,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Sequence>(m, "Sequence")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, Tensor, int64_t, int64_t, OptionalTensor, OptionalTensor,
                     OptionalTensor, Tensor, OptionalTensor>());
-  py::class_<Flash>(m, "Flash").def(py::init<int64_t, int64_t, OptionalTensor>());
-  py::class_<Plan>(m, "Plan").def(py::init<std::vector<Sequence>, std::vector<Flash>>());
+  py::class_<Plan>(m, "Plan").def(py::init<std::vector<Sequence>>());
   // The kernel alone, for tests and benchmarks: out [heads, n, D] for q [heads, n, D], per sequence its keys and
   // values [kv_heads, length, D] (a tree's: [branches, ...] with owner), first row, row count and ends.
   m.def("attend_rows",

@@ -109,6 +109,7 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     draft_kv_bytes: int = 0  # the most bytes the drafter's own KV cache held (Drafter.peak_kv_bytes)
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from a prefix cache, not a pass
     # Lossy modes (specops/lossy/autojudge.py, specops/lossy/arbitrage.py) mark their output so nobody mistakes it
     # for the target's own: lossy_accepted counts mismatching tokens the judge accepted (autojudge)
     # or draft steps kept without the target (arbitrage).

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from specops.core.cost_model import measure_cost_model
 from specops.core.memory import DecodingShape, ModelShape
-from specops.core.planner import MemoryPlan, PlanSpace, plan_memory, require_one_request
+from specops.core.planner import MemoryBudgetError, MemoryPlan, PlanSpace, plan_memory, require_one_request
 from specops.core.types import PRIOR_ACCEPTANCE
 from specops.drafters.draft_lm import DraftLMDrafter
 from specops.drafters.recycling import RecyclingDrafter
@@ -50,8 +50,15 @@ def decoding_shape(generator: TextGenerator) -> DecodingShape:
                          gguf=target.fingerprint.name.endswith(".gguf"), draft_window=generator.config.draft_window)
 
 
+def prefix_cache_bytes(config: ServerConfig) -> int:
+    """The prefix cache's budget (--prefix-cache-mb), which a memory plan sets aside first."""
+    return int(config.prefix_cache_mb * 2**20)
+
+
 def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> MemoryPlan:
-    """The plan for `model` within `budget` bytes; MemoryBudgetError (a ValueError) when nothing fits."""
+    """The plan for `model` within `budget` bytes, less the prefix cache's; MemoryBudgetError (a ValueError) when
+    nothing fits."""
+    budget -= prefix_cache_bytes(config)
     generator = model.generator
     drafter = generator.drafter
     draft, draft_vocab = None, 0
@@ -67,7 +74,13 @@ def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> Memory
                     "not count its branch caches (one target KV cache per leaf).", drafter.name)
     space = plan_space(config, generator)
     target, base = ModelShape.of(generator.target.model.config), decoding_shape(generator)
-    require_one_request(budget, target, base, space, draft, draft_vocab)  # before the cost model's seconds
+    try:
+        require_one_request(budget, target, base, space, draft, draft_vocab)  # before the cost model's seconds
+    except MemoryBudgetError as error:
+        if not config.prefix_cache_mb:
+            raise
+        raise MemoryBudgetError(f"{error} (That budget is what is left after the prefix cache's "
+                                f"{config.prefix_cache_mb:g} MiB: lower --prefix-cache-mb, or 0 for none.)") from error
     sizes = tuple(n for n in PLANNED_VERIFY_SIZES if n <= max(16, space.max_batch * max(space.max_width, 1)))
     cost = measure_cost_model(generator.target.model, generator.fork(None).drafter, sizes=sizes)
     return plan_memory(budget, target, base, space, cost, draft, draft_vocab)

@@ -129,6 +129,9 @@ class ServerConfig(HttpConfig):
     default_max_tokens: int = option(256, "max_tokens when a request gives none (cut to the context left)")
     max_prompt_tokens: int = option(4096, "longer prompts get 400: a prompt's prefill holds every queued request "
                                           "up (an abandoned one stops within one prefill chunk, DecodingConfig)")
+    prefix_cache_mb: float = option(64.0, "MiB of prompts' first blocks (keys and values) kept for later prompts "
+                                          "that start alike (a chat template's system turn, an instruction): "
+                                          "exact on the native bf16 runtime, unused elsewhere; 0 turns it off")
     # Memory budget (SpecMemo, specops/server/budget.py): the planner fits width, drafts, slots and context into it.
     memory_budget: str | None = option(
         None, "the process's memory budget, e.g. 1.5GiB or 900MiB: at start the planner lowers --max-batch, the "
@@ -155,8 +158,8 @@ class ServerConfig(HttpConfig):
             raise ValueError(f"Unknown dtype '{self.dtype}'. Choose one of: {', '.join(DTYPES)}.")
         _check_positive({"queue_size": self.queue_size, "default_max_tokens": self.default_max_tokens,
                          "max_prompt_tokens": self.max_prompt_tokens, "max_batch": self.max_batch})
-        if self.poll_s < 0 or self.batch_window_ms < 0 or self.static_width < 0:
-            raise ValueError("poll_s, batch_window_ms and static_width must be >= 0.")
+        if self.poll_s < 0 or self.batch_window_ms < 0 or self.static_width < 0 or self.prefix_cache_mb < 0:
+            raise ValueError("poll_s, batch_window_ms, static_width and prefix_cache_mb must be >= 0.")
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)  # a bad size fails here, with the CLI's message
             if self.model_uri:

@@ -9,6 +9,7 @@ from typing import Any
 from specops.core.batching import PassBatcher, batch_invariant
 from specops.core.drafter import Drafter
 from specops.core.loop import SpeculativeGenerator
+from specops.core.prefix_cache import PrefixCache
 from specops.core.target import Target, encode_prompt, load_target
 from specops.core.types import SamplingParams
 from specops.drafters.acceptance_head import HEAD_COMPONENT
@@ -29,6 +30,7 @@ class TextGenerator:
         self.config = config
         self.policy = build_policy(config, target, drafter)  # built once: goodput times the models here
         self.batcher: PassBatcher | None = None  # set on forks that decode beside others (specops.server.worker)
+        self.prefix_cache: PrefixCache | None = None  # shared by a server's forks (specops.server.worker)
         self._lossy: LossyModels | None = None
         if config.lossy_mode not in LOSSY_MODES:
             raise ValueError(f"Unknown lossy_mode '{config.lossy_mode}'. Choose one of: {', '.join(LOSSY_MODES)}.")
@@ -41,13 +43,15 @@ class TextGenerator:
         the eager static runtime in bf16, on a model whose products all run on oneDNN (specops.core.batching)."""
         return bool(self.config.static_width) and not self.config.compiled and batch_invariant(self.target.model)
 
-    def fork(self, batcher: PassBatcher | None) -> TextGenerator:
+    def fork(self, batcher: PassBatcher | None, prefix_cache: PrefixCache | None = None) -> TextGenerator:
         """A generator for one more concurrent generation: the same models, its own drafter and policy state
-        (drafters reset theirs at each generation's start), its passes batched through `batcher`."""
+        (drafters reset theirs at each generation's start), its passes batched through `batcher`, its prompts
+        prefilled through `prefix_cache` (shared with the other forks)."""
         twin = copy.copy(self)
         twin.drafter = copy.copy(self.drafter)
         twin.policy = copy.deepcopy(self.policy)
         twin.batcher = batcher
+        twin.prefix_cache = prefix_cache
         return twin
 
     def lossy_models(self) -> LossyModels:
@@ -71,7 +75,8 @@ class TextGenerator:
         return SpeculativeGenerator(self.target, self.drafter, resolve_verifier(self.config.verifier, sampling),
                                     self.config.draft_tokens, policy=self.policy, static_width=self.config.static_width,
                                     compiled=self.config.compiled, prefill_chunk=self.config.prefill_chunk,
-                                    batcher=self.batcher)
+                                    batcher=self.batcher,
+                                    prefill_cache=self.prefix_cache if self.config.static_width else None)
 
     def generate_text(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 64, temperature: float = 0.0,
                       top_p: float = 1.0, seed: int | None = None, raw: bool = False, lossy_mode: str | None = None,

@@ -42,6 +42,10 @@ class ServerMetrics:
         self.requests = Counter("specops_requests", "Completion requests by HTTP status (499: the client went "
                                 "away before the response ended).", ["status"], registry=r)
         self.prompt_tokens = Counter("specops_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_prompt_tokens = Counter("specops_cached_prompt_tokens", "Prompt tokens of finished requests "
+                                            "whose keys and values the prefix cache held (not computed).", registry=r)
+        self.prefix_cache_bytes = Gauge("specops_prefix_cache_bytes", "Bytes the prefix cache holds "
+                                        "(--prefix-cache-mb).", registry=r)
         self.generated_tokens = Counter("specops_generated_tokens", "Tokens generated for finished requests.",
                                         registry=r)
         self.target_steps = Counter("specops_target_steps", "Target forward passes after the prefill.", registry=r)
@@ -113,11 +117,15 @@ class ServerMetrics:
         for name in observed():
             self.step_costs.labels(field=name).set_function(lambda name=name: observed()[name])
 
+    def watch_prefix_cache(self, held: Callable[[], int]) -> None:
+        self.prefix_cache_bytes.set_function(held)
+
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
 
     def observe_generation(self, prompt_tokens: int, stats: GenerationStats) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         for drafted, _ in stats.per_step:
             self.draft_length.observe(drafted)
         self.generated_tokens.inc(stats.new_tokens)

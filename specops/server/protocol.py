@@ -245,6 +245,7 @@ def usage(completions: list[Completion]) -> dict[str, Any]:
     steps = sum(c.stats.steps for c in completions)
     counts = {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated,
               "total_tokens": first.prompt_tokens + generated,
+              "prompt_tokens_details": {"cached_tokens": first.stats.cached_prompt_tokens},
               "drafted": sum(c.stats.drafted for c in completions), "accepted": sum(c.stats.accepted for c in completions),
               "mean_accepted_length": round(sum(c.stats.new_tokens for c in completions) / steps, 4) if steps else 0.0}
     stats = first.stats  # every choice ran the same model and mode

@@ -27,6 +27,7 @@ from specops.core import native
 from specops.core.batching import DEFAULT_WINDOW_S, PassBatcher, on_short_thread
 from specops.core.cost_model import measure_cost_model
 from specops.core.loop import GenerationRequestError, prompt_logprobs
+from specops.core.prefix_cache import PrefixCache
 from specops.core.target import Target
 from specops.core.types import Generation, GenerationStats, SamplingParams, TokenLogprob
 from specops.server.feedback import FeedbackGate, FeedbackLog, FeedbackRecord, Refusal
@@ -162,7 +163,9 @@ class Serving:
 
 class GenerationWorker:
     def __init__(self, model: ServedModel, queue_size: int, metrics: ServerMetrics,
-                 feedback: FeedbackLog | None, slots: int = 1, window_s: float = DEFAULT_WINDOW_S) -> None:
+                 feedback: FeedbackLog | None, slots: int = 1, window_s: float = DEFAULT_WINDOW_S,
+                 prefix_cache_bytes: int = 0) -> None:
+        """`prefix_cache_bytes`: the budget of the prefix cache each served model's generations share (0: none)."""
         self._serving = Serving(model, [], None)  # forks come with the warm-up, in start()
         self._idle = threading.Condition()  # a slot waits on it for a job and a free fork, together
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
@@ -172,6 +175,7 @@ class GenerationWorker:
         self._gate = FeedbackGate(feedback) if feedback is not None else None
         self._slots = slots
         self._window_s = window_s
+        self._prefix_cache_bytes = prefix_cache_bytes
         self._cores = torch.get_num_threads()  # as the server was started (--threads); slots set theirs per job
         self._stop = threading.Event()
         self._boot = threading.Thread(target=self._start_slots, name="specops-warm-up", daemon=True)
@@ -232,7 +236,13 @@ class GenerationWorker:
             past = self._gate.log.recent_outputs(drafter.remembers)
             drafter.remember(past)  # before forking: forks share what it learned (Suffix Decoding's cache)
             log.info("The %s drafter learned the %d newest responses of the feedback log.", drafter.name, len(past))
-        forks = [model.generator.fork(batcher) for _ in range(self._slots)] if batcher is not None else [model.generator]
+        # A new model's prompts start from an empty cache: the old one's keys and values are no use to it.
+        cache = PrefixCache(self._prefix_cache_bytes) if self._prefix_cache_bytes else None
+        self._metrics.watch_prefix_cache(lambda: cache.bytes if cache is not None else 0)
+        if batcher is None:  # one generation at a time, on the model's own generator
+            model.generator.prefix_cache = cache
+            return Serving(model, [model.generator], None)
+        forks = [model.generator.fork(batcher, cache) for _ in range(self._slots)]
         return Serving(model, forks, batcher)
 
     def _warmed(self, model: ServedModel) -> Serving:

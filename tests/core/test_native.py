@@ -70,16 +70,13 @@ CASES: dict[str, Callable[[LlamaForward], list[Segment]]] = {
 
 
 def kernel_attend(plan: _AttentionPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
-    """_AttentionPlan.attend with the native kernel for every row but the prefills' (what the C++ loop runs)."""
-    forward, kernel = plan.forward, native.extension()
+    """_AttentionPlan.attend with the native kernel for every row, the prompts' too (what the C++ loop runs)."""
+    forward, kernel, segments = plan.forward, native.extension(), plan.segments
     att = q.new_zeros(forward.heads, plan.n, forward.head_dim)
-    rows = [j for j in range(len(plan.segments)) if j not in plan.flash]
-    segments = [plan.segments[j] for j in rows]
     kernel.attend_rows(q.contiguous(), att, [s.keys[layer] for s in segments], [s.values[layer] for s in segments],
-                       [plan.rows[j].start for j in rows],
+                       [rows.start for rows in plan.rows],
                        [forward.visible_ends(s.pos, s.keys[0].shape[-2]) for s in segments],
                        [None if s.branches is None else s.branches.owner for s in segments])
-    plan.attend_prefills(q, layer, att)
     return att
 
 

@@ -93,11 +93,13 @@ def test_the_lean_forward_is_transformers_llama():
 LONG = [10 + i % 80 for i in range(200)]  # a prompt whose passes are longer than MATH_ROWS: SDPA's flash kernel
 
 
-def long_prefill_matches_transformers(chunk: int) -> bool:
-    """A 196-token prompt prefilled in one pass (SDPA's causal kernel) or in chunks of `chunk` (the second
-    through SDPA with a mask over the slots up to its last row, the third through the math path), then 4
-    tokens: transformers' logits and layer outputs, up to rounding?"""
+def long_prefill_matches_transformers(chunk: int, native: bool = False) -> bool:
+    """A 196-token prompt prefilled in one pass or in chunks of `chunk`, then 4 tokens: transformers' logits and
+    layer outputs, up to rounding? In the Python loop (`native` False) the one pass runs SDPA's causal kernel and
+    of the chunks the second SDPA with a mask over the slots up to its last row, the third the math path; the
+    native decoder's kernel takes every row."""
     model = tiny_llama(0, hidden=64, layers=3, max_positions=512)
+    llama_forward(model)[0].use_native = native
     with torch.inference_mode():
         ref = model(torch.tensor([LONG]), output_hidden_states=True)
         lm = StaticLM(model, WIDTH, 320, hidden_layers=[0, 1])
@@ -108,14 +110,15 @@ def long_prefill_matches_transformers(chunk: int) -> bool:
     return torch.allclose(logits, ref.logits[0, -4:], atol=1e-5) and torch.allclose(features, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("chunk", [0, 80])
-def test_a_long_prefill_is_transformers_llama(chunk):
-    assert long_prefill_matches_transformers(chunk)
+def test_a_long_prefill_is_transformers_llama(chunk, native):
+    assert long_prefill_matches_transformers(chunk, native)
 
 
 @pytest.mark.parametrize("mutant", ["no mask", "causal from the first key"])
 def test_a_long_prefill_that_sees_too_much_differs(monkeypatch, mutant):
-    """Mutants of the flash segments' visibility: no mask at all (every row sees every slot up to the last
+    """Mutants of the Python loop's flash segments' visibility: no mask at all (every row sees every slot up to the last
     row), and SDPA's causal kernel for a chunk that does not start at slot 0 (its rows would see only the
     first slots, aligned to the top left)."""
     def flash(self, segment):

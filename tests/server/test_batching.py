@@ -81,3 +81,49 @@ def test_a_model_that_cannot_batch_exactly_serves_one_at_a_time(start_server, ta
     text = httpx.get(live.url + "/metrics").text
     assert metric(text, "specops_batch_size_count") == 0
     assert pass_seconds(text) == {}  # no pass thread
+
+
+SYSTEM = " ".join(f"w{(7 * i) % 90 + 3}" for i in range(48))  # a system turn every request shares: 3 blocks
+
+
+def ask_with_system(url: str, index: int) -> tuple[str, list[float], int]:
+    """`ask` behind the shared system turn: text, logprobs and the prompt tokens the server reports cached."""
+    reply = client(url).chat.completions.create(
+        model="specops", messages=[{"role": "system", "content": SYSTEM},
+                                   {"role": "user", "content": PROMPTS[index % len(PROMPTS)]}],
+        max_tokens=24, logprobs=True, **({"temperature": 0} if index % 2 == 0 else {"temperature": 0.9, "seed": index}))
+    choice = reply.choices[0]
+    return (choice.message.content, [entry.logprob for entry in choice.logprobs.content],
+            reply.usage.prompt_tokens_details.cached_tokens)
+
+
+def off_by_one_slot(add):
+    """The mutant: blocks stored one slot off (their keys rolled along the cache)."""
+    def wrapped(cache, root, token_ids, run, lm):
+        add(cache, root, token_ids, run, lm)
+        for block in cache._blocks():
+            if not getattr(block, "rolled", False):
+                block.keys, block.rolled = [k.roll(1, 1) for k in block.keys], True
+    return wrapped
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_concurrent_requests_reusing_a_shared_system_turn_are_bitwise_without_it(start_server, bf16_target,
+                                                                                  mutant, monkeypatch):
+    if mutant:
+        from specops.core.prefix_cache import PrefixCache
+        monkeypatch.setattr(PrefixCache, "_add", off_by_one_slot(PrefixCache._add))
+    plain = start_server(model=bf16_model(bf16_target, "prompt-lookup"), max_batch=4, prefix_cache_mb=0)
+    cached = start_server(model=bf16_model(bf16_target, "prompt-lookup"), max_batch=4, batch_window_ms=20)
+    requests = list(range(6))
+    without = [ask_with_system(plain.url, i) for i in requests]
+    assert all(reused == 0 for *_, reused in without)
+    ask_with_system(cached.url, 0)  # the system turn's blocks go into the cache
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda i: ask_with_system(cached.url, i), requests))
+    assert all(reused >= 48 for *_, reused in together)
+    text = httpx.get(cached.url + "/metrics").text
+    assert metric(text, "specops_cached_prompt_tokens_total") == sum(reused for *_, reused in together)
+    assert metric(text, "specops_prefix_cache_bytes") > 0
+    same = [answer[:2] for answer in together] == [answer[:2] for answer in without]
+    assert same != mutant

@@ -83,6 +83,9 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.02)
 
 
+CACHE = 2**20  # the prefix cache's budget in these tests (--prefix-cache-mb 1)
+
+
 def chat(url: str, content: str, max_tokens: int = 4) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", timeout=WAIT_S + 30,
                       json={"model": "specops", "messages": [{"role": "user", "content": content}],
@@ -94,8 +97,9 @@ def test_plan_caps_the_slots_and_the_rest_queue_then_429(start_server, bf16_targ
     budget = max(peak(bf16_target, 2, 64, w) for w in range(1, WIDTH + 1)) + 1
     assert budget < min(peak(bf16_target, 3, 64, w) for w in range(1, WIDTH + 1))
     model, drafter = gated(bf16_target)
-    live = start_server(model=model, max_batch=8, queue_size=3, memory_budget=f"{budget}B", min_context=64,
-                        memory_headroom=0.0)
+    # The prefix cache's MiB is set aside first; the plan gets the rest.
+    live = start_server(model=model, max_batch=8, queue_size=3, memory_budget=f"{budget + CACHE}B", min_context=64,
+                        memory_headroom=0.0, prefix_cache_mb=1)
     plan = live.state.plan
     assert plan.max_batch == 2 and live.state.worker.batched
     assert live.state.worker.model.generator.config.static_width == plan.static_width <= WIDTH
@@ -131,7 +135,7 @@ def test_a_request_longer_than_the_planned_context_gets_400(start_server, bf16_t
     assert budget < peak(bf16_target, 1, 256, 1)
     model, _ = gated(bf16_target)
     live = start_server(model=model, max_batch=1, memory_budget=str(budget), min_context=100,
-                        memory_headroom=0.0)
+                        memory_headroom=0.0, prefix_cache_mb=0)
     limit = live.state.plan.max_context
     assert 100 <= limit < 256
     too_long = chat(live.url, " ".join(f"w{i % 50 + 6}" for i in range(limit)))
@@ -145,9 +149,10 @@ def test_a_request_longer_than_the_planned_context_gets_400(start_server, bf16_t
 
 def test_a_budget_below_one_request_refuses_to_start(make_config, bf16_target):
     model, _ = gated(bf16_target)
-    budget = peak(bf16_target, 1, 64, 1) - 1  # one byte short of the smallest plan
-    with pytest.raises(MemoryBudgetError, match="cannot hold even one generation of 64 tokens"):
-        create_app(make_config(memory_budget=f"{budget}B", min_context=64, memory_headroom=0.0), model=model)
+    budget = peak(bf16_target, 1, 64, 1) - 1 + CACHE  # one byte short of the smallest plan beside the prefix cache
+    with pytest.raises(MemoryBudgetError, match="cannot hold even one generation of 64 tokens.*prefix cache's 1 MiB"):
+        create_app(make_config(memory_budget=f"{budget}B", min_context=64, memory_headroom=0.0, prefix_cache_mb=1),
+                   model=model)
 
 
 def test_a_bad_budget_is_refused_with_the_units(make_config):
