@@ -276,7 +276,8 @@ class LlamaForward(nn.Module):
     def _layers_python(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: _AttentionPlan,
                        layers: int) -> list[torch.Tensor]:
         """The decoder layers as Python dispatches them: what torch.compile traces, where the native decoder
-        (native_decoder.cpp, which mirrors this loop op for op) is not built, and its reference in the tests."""
+        (native_decoder.cpp, which mirrors this loop op for op but for attention, where its kernel takes every row)
+        is not built, and its reference in the tests (with the kernel's attention patched in)."""
         n = x.shape[0]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         packed = self._packed_or_none()
@@ -497,7 +498,7 @@ class _AttentionPlan:
 
     def for_native(self) -> Any:
         """This plan as the native decoder takes it (native_decoder.cpp's Plan): per sequence its cache, rows,
-        writes and each row's visible end (LlamaForward.visible_ends), and the prefills attending through SDPA."""
+        writes and each row's visible end (LlamaForward.visible_ends); the kernel attends every row, prompts' too."""
         extension = native.extension()
         assert extension is not None
         sequences = []
@@ -525,8 +526,8 @@ class _AttentionPlan:
         return att
 
     def attend_prefills(self, q: torch.Tensor, layer: int, att: torch.Tensor) -> None:
-        """The long segments' attention outputs at `layer`, through SDPA, written into att [heads, n, D]; the
-        native decoder runs the same call (native_decoder.cpp)."""
+        """The long segments' attention outputs at `layer`, through SDPA, written into att [heads, n, D] (the
+        Python loop's; the native decoder's kernel attends them as it does every row)."""
         for j, (end, mask) in self.flash.items():
             segment, rows = self.segments[j], self.rows[j]
             att[:, rows] = F.scaled_dot_product_attention(

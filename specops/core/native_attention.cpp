@@ -1,4 +1,4 @@
-// Attention of decoding and verification rows over each sequence's own cache (see native_attention.h).
+// Attention of decoding, verification and prompt rows over each sequence's own cache (see native_attention.h).
 //
 // ATen's attention for a batch of sequences (LlamaForward.attention) stacks their caches into one tensor
 // padded to the longest, every layer, and multiplies and masks the padded whole: in a batched SmolLM2 pass on

@@ -1,4 +1,4 @@
-// Attention of decoding and verification rows over each sequence's own cache (native_attention.cpp).
+// Attention of decoding, verification and prompt rows over each sequence's own cache (native_attention.cpp).
 #pragma once
 
 #include <torch/extension.h>

@@ -62,8 +62,6 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.block = block
         self.bytes = 0
-        self.reused_tokens = 0  # prompt tokens copied from the cache, and computed, over every prefill it ran
-        self.computed_tokens = 0
         self._roots: dict[tuple[object, tuple[int, ...]], dict[tuple[int, ...], _Block]] = {}
         self._lock = threading.Lock()
         self._tick = itertools.count()
@@ -94,9 +92,7 @@ class PrefixCache:
             lm.features = torch.cat([cached_features, lm.features])
         lm.reused = cached
         with self._lock:
-            self.reused_tokens += cached
-            self.computed_tokens += len(token_ids) - cached
-            self._add(root, token_ids, run, lm)
+            self._add(root, token_ids, lm)
         return True
 
     def _longest(self, root: tuple[object, tuple[int, ...]], token_ids: list[int]) -> list[_Block]:
@@ -113,25 +109,23 @@ class PrefixCache:
             children = found.children
         return run
 
-    def _add(self, root: tuple[object, tuple[int, ...]], token_ids: list[int], run: list[_Block],
-             lm: StaticLM) -> None:
-        """token_ids' whole blocks past `run` into the trie, from `lm`'s cache; then evict down to the budget."""
-        children = run[-1].children if run else self._roots.setdefault(root, {})
-        parent = run[-1] if run else None
+    def _add(self, root: tuple[object, tuple[int, ...]], token_ids: list[int], lm: StaticLM) -> None:
+        """token_ids' whole blocks into the trie, from `lm`'s cache where the trie lacks them; then evict down to
+        the budget (holding the lock). The trie is walked again from its root: the blocks this prompt reused may
+        have been evicted while it prefilled, and a block at a place in the trie is the same bits whoever made it."""
+        children, parent = self._roots.setdefault(root, {}), None
         tick = next(self._tick)
-        features = lm.features
-        for begin in range(len(run) * self.block, len(token_ids) - self.block + 1, self.block):
+        for begin in range(0, len(token_ids) - self.block + 1, self.block):
             end = begin + self.block
             tokens = tuple(token_ids[begin: end])
-            if tokens in children:  # another generation added it meanwhile
-                parent = children[tokens]
-                parent.used = tick
-            else:
-                parent = _Block([k[:, begin: end].clone() for k in lm.keys], [v[:, begin: end].clone() for v in lm.values],
-                                None if features is None else features[begin: end].clone(), parent, tokens, tick)
-                children[tokens] = parent
-                self.bytes += parent.bytes
-            children = parent.children
+            found = children.get(tokens)
+            if found is None:
+                found = _Block([k[:, begin: end].clone() for k in lm.keys], [v[:, begin: end].clone() for v in lm.values],
+                               None if lm.features is None else lm.features[begin: end].clone(), parent, tokens, tick)
+                children[tokens] = found
+                self.bytes += found.bytes
+            found.used = tick
+            parent, children = found, found.children
         self._evict()
 
     def _evict(self) -> None:

@@ -37,7 +37,7 @@ from specops.core.memory import parse_bytes
 from specops.core.planner import MemoryPlan
 from specops.core.target import Target, encode_prompt, load_target
 from specops.core.types import SamplingParams
-from specops.server.budget import describe, memory_plan, planned, prefix_cache_bytes
+from specops.server.budget import describe, memory_plan, planned
 from specops.server.config import ServerConfig
 from specops.server.feedback import FeedbackLog
 from specops.server.guards import STATUS_KEY, RequestRecorder, install_guards
@@ -164,7 +164,7 @@ class Server:
                          if config.feedback else None)
         slots = plan.max_batch if plan is not None else config.max_batch
         self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback, slots,
-                                       config.batch_window_ms / 1000, prefix_cache_bytes(config))
+                                       config.batch_window_ms / 1000, int(config.prefix_cache_mb * 2**20))
         if plan is not None:
             metrics.set_plan(plan.to_dict())
         self.watcher = watcher

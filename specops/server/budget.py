@@ -50,15 +50,17 @@ def decoding_shape(generator: TextGenerator) -> DecodingShape:
                          gguf=target.fingerprint.name.endswith(".gguf"), draft_window=generator.config.draft_window)
 
 
-def prefix_cache_bytes(config: ServerConfig) -> int:
-    """The prefix cache's budget (--prefix-cache-mb), which a memory plan sets aside first."""
-    return int(config.prefix_cache_mb * 2**20)
+def prefix_cache_bytes(config: ServerConfig, generator: TextGenerator) -> int:
+    """The prefix cache's budget (--prefix-cache-mb) for `generator`: none where its runtime could not use one
+    (specops.core.prefix_cache.PrefixCache.exact: the eager static runtime in bf16, as batching needs)."""
+    return int(config.prefix_cache_mb * 2**20) if generator.batchable else 0
 
 
 def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> MemoryPlan:
     """The plan for `model` within `budget` bytes, less the prefix cache's; MemoryBudgetError (a ValueError) when
     nothing fits."""
-    budget -= prefix_cache_bytes(config)
+    cache = prefix_cache_bytes(config, model.generator)
+    budget -= cache
     generator = model.generator
     drafter = generator.drafter
     draft, draft_vocab = None, 0
@@ -77,7 +79,7 @@ def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> Memory
     try:
         require_one_request(budget, target, base, space, draft, draft_vocab)  # before the cost model's seconds
     except MemoryBudgetError as error:
-        if not config.prefix_cache_mb:
+        if not cache:
             raise
         raise MemoryBudgetError(f"{error} (That budget is what is left after the prefix cache's "
                                 f"{config.prefix_cache_mb:g} MiB: lower --prefix-cache-mb, or 0 for none.)") from error

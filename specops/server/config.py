@@ -7,6 +7,7 @@ to these defaults, so a default is written exactly once.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -158,8 +159,10 @@ class ServerConfig(HttpConfig):
             raise ValueError(f"Unknown dtype '{self.dtype}'. Choose one of: {', '.join(DTYPES)}.")
         _check_positive({"queue_size": self.queue_size, "default_max_tokens": self.default_max_tokens,
                          "max_prompt_tokens": self.max_prompt_tokens, "max_batch": self.max_batch})
-        if self.poll_s < 0 or self.batch_window_ms < 0 or self.static_width < 0 or self.prefix_cache_mb < 0:
-            raise ValueError("poll_s, batch_window_ms, static_width and prefix_cache_mb must be >= 0.")
+        if self.poll_s < 0 or self.batch_window_ms < 0 or self.static_width < 0:
+            raise ValueError("poll_s, batch_window_ms and static_width must be >= 0.")
+        if not (math.isfinite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0):
+            raise ValueError(f"prefix_cache_mb must be a finite number >= 0, got {self.prefix_cache_mb}.")
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)  # a bad size fails here, with the CLI's message
             if self.model_uri:

@@ -165,7 +165,8 @@ class GenerationWorker:
     def __init__(self, model: ServedModel, queue_size: int, metrics: ServerMetrics,
                  feedback: FeedbackLog | None, slots: int = 1, window_s: float = DEFAULT_WINDOW_S,
                  prefix_cache_bytes: int = 0) -> None:
-        """`prefix_cache_bytes`: the budget of the prefix cache each served model's generations share (0: none)."""
+        """`prefix_cache_bytes`: the budget of the prefix cache each served model's generations share (0: none;
+        none either for a model whose runtime could not use one: TextGenerator.batchable)."""
         self._serving = Serving(model, [], None)  # forks come with the warm-up, in start()
         self._idle = threading.Condition()  # a slot waits on it for a job and a free fork, together
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
@@ -237,7 +238,7 @@ class GenerationWorker:
             drafter.remember(past)  # before forking: forks share what it learned (Suffix Decoding's cache)
             log.info("The %s drafter learned the %d newest responses of the feedback log.", drafter.name, len(past))
         # A new model's prompts start from an empty cache: the old one's keys and values are no use to it.
-        cache = PrefixCache(self._prefix_cache_bytes) if self._prefix_cache_bytes else None
+        cache = PrefixCache(self._prefix_cache_bytes) if self._prefix_cache_bytes and model.generator.batchable else None
         self._metrics.watch_prefix_cache(lambda: cache.bytes if cache is not None else 0)
         if batcher is None:  # one generation at a time, on the model's own generator
             model.generator.prefix_cache = cache

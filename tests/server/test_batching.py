@@ -99,8 +99,8 @@ def ask_with_system(url: str, index: int) -> tuple[str, list[float], int]:
 
 def off_by_one_slot(add):
     """The mutant: blocks stored one slot off (their keys rolled along the cache)."""
-    def wrapped(cache, root, token_ids, run, lm):
-        add(cache, root, token_ids, run, lm)
+    def wrapped(cache, root, token_ids, lm):
+        add(cache, root, token_ids, lm)
         for block in cache._blocks():
             if not getattr(block, "rolled", False):
                 block.keys, block.rolled = [k.roll(1, 1) for k in block.keys], True

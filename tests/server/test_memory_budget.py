@@ -9,9 +9,11 @@ headroom: the default 10% is for the real process, tested by the load run in doc
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -24,6 +26,8 @@ from specops.core.target import target_from_model
 from specops.core.types import SamplingParams
 from specops.drafters.kinds import DecodingConfig
 from specops.server.app import create_app
+from specops.server.budget import prefix_cache_bytes
+from specops.server.config import ServerConfig
 from specops.server.generator import TextGenerator
 from specops.server.worker import ServedModel
 from tests.conftest import tiny_llama, tiny_tokenizer
@@ -162,3 +166,16 @@ def test_a_bad_budget_is_refused_with_the_units(make_config):
         make_config(memory_budget="1GiB", model_uri="models:/specops@champion")
     with pytest.raises(ValueError, match="memory_headroom"):
         make_config(memory_budget="1GiB", memory_headroom=1.0)
+
+
+def test_a_runtime_that_cannot_use_a_prefix_cache_keeps_its_budget(bf16_target):
+    """The budget set aside for the prefix cache: the whole --prefix-cache-mb where the runtime can use one
+    (the eager static runtime in bf16), none elsewhere."""
+    model, _ = gated(bf16_target)
+    config = ServerConfig(prefix_cache_mb=2)
+    assert prefix_cache_bytes(config, model.generator) == 2 * CACHE
+    dynamic = copy.copy(model.generator)
+    dynamic.config = replace(model.generator.config, static_width=0)
+    assert prefix_cache_bytes(config, dynamic) == 0
+    with pytest.raises(ValueError, match="finite"):
+        ServerConfig(prefix_cache_mb=float("nan"))
