@@ -164,7 +164,7 @@ class Server:
                          if config.feedback else None)
         slots = plan.max_batch if plan is not None else config.max_batch
         self.worker = GenerationWorker(model, config.queue_size, metrics, self.feedback, slots,
-                                       config.batch_window_ms / 1000, int(config.prefix_cache_mb * 2**20))
+                                       config.batch_window_ms / 1000, config.prefix_cache_bytes)
         if plan is not None:
             metrics.set_plan(plan.to_dict())
         self.watcher = watcher

@@ -53,7 +53,7 @@ def decoding_shape(generator: TextGenerator) -> DecodingShape:
 def prefix_cache_bytes(config: ServerConfig, generator: TextGenerator) -> int:
     """The prefix cache's budget (--prefix-cache-mb) for `generator`: none where its runtime could not use one
     (specops.core.prefix_cache.PrefixCache.exact: the eager static runtime in bf16, as batching needs)."""
-    return int(config.prefix_cache_mb * 2**20) if generator.batchable else 0
+    return config.prefix_cache_bytes if generator.batchable else 0
 
 
 def memory_plan(config: ServerConfig, model: ServedModel, budget: int) -> MemoryPlan:

@@ -174,6 +174,11 @@ class ServerConfig(HttpConfig):
         if self.static_width and (self.bundle or self.model_uri):
             raise ValueError("static_width applies to a plain target and drafter; a bundle's serving.yaml sets its own.")
 
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """--prefix-cache-mb in bytes."""
+        return int(self.prefix_cache_mb * 2**20)
+
 
 @dataclass
 class ProxyConfig(HttpConfig):
