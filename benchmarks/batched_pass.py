@@ -15,12 +15,14 @@ close to what the cores do at best a prefill already runs.
 COMMIT`) beside this one's on the same weights and caches, the two interleaved in one process, and checks
 that their outputs are bitwise equal: a change meant to be faster and to round alike, measured as both.
 `--onednn` does the same against this checkout's forward on oneDNN's packed products instead of our kernel's
-(specops.core.packed_linear; they round otherwise, so bitwise equal is false there).
+(specops.core.packed_linear; they round otherwise, so bitwise equal is false there), and `--dot-products`
+against our kernel's AVX-512 dot products where this one runs on AMX tiles (rounded otherwise too).
 
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5 --prefills 128 256
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 5 --prefills 192 --checkout /tmp/old
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 3 5 --attention
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 3 --prefills 64 192 --onednn
+    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 3 --prefills 64 192 --dot-products
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from specops.core import native
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, _AttentionPlan, llama_forward
-from specops.core.packed_linear import pack
+from specops.core.packed_linear import pack, tiles
 from specops.core.target import load_target
 
 try:  # imported as benchmarks.batched_pass (the tests), or run as a script from benchmarks/
@@ -194,11 +196,12 @@ def tensors_equal(a: object, b: object) -> bool:
             and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True)))
 
 
-def onednn_forward(model: torch.nn.Module) -> LlamaForward:
-    """`model`'s eager forward with its products on oneDNN's packed weights, not our kernel's (packed_linear)."""
+def repacked_forward(model: torch.nn.Module, ours: bool, on_tiles: bool) -> LlamaForward:
+    """`model`'s eager forward with its products packed otherwise than this process's default (packed_linear):
+    on oneDNN's packed weights (`ours` False) or our dot products' (`on_tiles` False)."""
     forward = LlamaForward(model).eval()
-    forward.packed = forward.packed_weights(ours=False)
-    forward.packed_head = pack(forward.head, ours=False)  # type: ignore[misc]  # the cached property, set
+    forward.packed = forward.packed_weights(ours, on_tiles)
+    forward.packed_head = pack(forward.head, ours, on_tiles)  # type: ignore[misc]  # the cached property, set
     return forward
 
 
@@ -259,26 +262,34 @@ def main() -> None:
     parser.add_argument("--onednn", action="store_true",
                         help="time this checkout's forward beside itself on oneDNN's packed products instead of "
                              "our kernel's, interleaved (as --checkout)")
+    parser.add_argument("--dot-products", action="store_true",
+                        help="time this checkout's forward beside itself on our AVX-512 dot products instead of AMX "
+                             "tiles, where this CPU has them, interleaved (as --checkout)")
     parser.add_argument("--out", default=None,
                         help="the JSON to write (default: benchmarks/results/batched_pass.json; with --checkout, "
                              "batched_pass_checkout.json)")
     args = parser.parse_args()
-    if (args.checkout is not None or args.onednn) and args.profile:
-        parser.error("--profile profiles this checkout's passes alone; leave out --checkout and --onednn")
-    if args.checkout is not None and args.onednn:
-        parser.error("--checkout and --onednn each take the other side of the comparison; give one")
-    suffix = "_checkout" if args.checkout else "_onednn" if args.onednn else ""
+    others = {"_checkout": args.checkout is not None, "_onednn": args.onednn, "_dot_products": args.dot_products}
+    if any(others.values()) and args.profile:
+        parser.error("--profile profiles this checkout's passes alone; leave out --checkout, --onednn and "
+                     "--dot-products")
+    if sum(others.values()) > 1:
+        parser.error("--checkout, --onednn and --dot-products each take the other side of the comparison; give one")
+    suffix = next((name for name, given in others.items() if given), "")
     args.out = args.out or f"benchmarks/results/batched_pass{suffix}.json"
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="bfloat16").model
-    if args.checkout is not None or args.onednn:
+    if suffix:
         with torch.inference_mode():
-            other = onednn_forward(model) if args.onednn else checkout_forward(model, args.checkout.resolve())
+            other = (checkout_forward(model, args.checkout.resolve()) if args.checkout is not None
+                     else repacked_forward(model, ours=not args.onednn, on_tiles=not args.dot_products))
             compared = compare(model, other, args.cases, args.rows, args.prefills, args.repeats)
         checkout = ({"path": str(args.checkout), "code": code_version(args.checkout)} if args.checkout else
-                    "this checkout on oneDNN's packed products")
+                    "this checkout on oneDNN's packed products" if args.onednn else
+                    "this checkout on our kernel's dot products")
         Path(args.out).write_text(json.dumps({
             "threads": args.threads, "load_avg": os.getloadavg(), "this": code_version(Path(__file__).parent),
+            "amx_tiles": tiles(),
             "checkout": checkout, "compared": compared}, indent=2) + "\n")
         print(f"wrote {args.out}")
         return

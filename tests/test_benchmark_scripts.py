@@ -20,6 +20,7 @@ from benchmarks.batched_pass import (
     pass_of,
     prefill_of,
     product_flops,
+    repacked_forward,
 )
 from benchmarks.load_test import (
     against,
@@ -96,6 +97,20 @@ def test_a_checkout_s_forward_is_timed_beside_this_one_and_compared_bit_for_bit(
                                              "prefill of 20"]
     assert all(row["this_ms"] > 0 and row["checkout_ms"] > 0 for row in rows)
     assert [row["bitwise_equal"] for row in rows] == [mutant is None] * len(rows)
+
+
+def test_the_dot_products_are_timed_beside_the_tiles_and_round_otherwise():
+    """--dot-products: this checkout's forward on our dot products beside the process's default; where AMX tiles
+    run, the two round otherwise (so the comparison does compare two kernels: here on the prefill's rows; a tiny
+    model's three decoding rows may round alike), elsewhere they are one kernel."""
+    from specops.core.packed_linear import tiles
+
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
+    other = repacked_forward(model, ours=True, on_tiles=False)
+    assert all(packed is None or packed.dim() == 4 for packed in other.packed.qkv + other.packed.down)
+    with torch.inference_mode():
+        rows = compare(model, other, ["128"], [3], [20], repeats=1)
+    assert all(row["bitwise_equal"] for row in rows) != tiles()
 
 
 def test_a_checkout_without_the_forward_is_refused(tmp_path):

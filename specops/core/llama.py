@@ -189,10 +189,12 @@ class LlamaForward(nn.Module):
     def num_layers(self) -> int:
         return len(self.qkv)
 
-    def packed_weights(self, ours: bool = True) -> _Packed:
+    def packed_weights(self, ours: bool = True, on_tiles: bool | None = None) -> _Packed:
         """The decoder's weights packed for the eager passes (packed_linear.pack; `ours` False: oneDNN's packing
-        even where our kernel runs, an A/B of the kernels)."""
-        return _Packed(*([pack(w, ours) for w in weights] for weights in (self.qkv, self.o, self.gate_up, self.down)))
+        even where our kernel runs, `on_tiles` False: our dot products even where AMX tiles run; A/Bs of the
+        kernels)."""
+        return _Packed(*([pack(w, ours, on_tiles) for w in weights]
+                         for weights in (self.qkv, self.o, self.gate_up, self.down)))
 
     def new_cache(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (self.kv_heads, length, self.head_dim)

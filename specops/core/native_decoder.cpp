@@ -162,7 +162,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attention_path", &specops::attention_path);
   m.def("linear_supported", &specops::linear_supported);
-  m.def("pack_linear", &specops::pack_linear);
+  m.def("amx_supported", &specops::amx_supported);
+  m.def("pack_linear", &specops::pack_linear, py::arg("weight"), py::arg("amx"));
   m.def("linear_packed", &specops::linear_packed, py::call_guard<py::gil_scoped_release>());
   // ATen sets a thread's intra-op count from the process-wide last value any thread set, once per thread, at its
   // first parallel op, and this extension inlines its own copy of that once (at::internal::lazy_init_num_threads):
