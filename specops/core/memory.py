@@ -37,6 +37,19 @@ from typing import Any
 
 from specops.core.types import MIN_ROWS, ONEDNN_MIN_WORK, static_cache_length
 
+TILE_INPUTS = 32  # native_linear.cpp's kChunk: on AMX tiles a packed weight's inputs are padded to whole tiles
+
+
+def packed_elements(out_features: int, in_features: int) -> int:
+    """Elements of packed_linear.pack's copy of an [out, in] weight in this process: as many as the weight's,
+    but on AMX tiles (where the weight's shape fits our kernel) its inputs padded to whole 32-input tiles."""
+    from specops.core.packed_linear import tiles  # here: the model itself needs no torch
+
+    if tiles() and out_features % 16 == 0 and in_features % 2 == 0:
+        return out_features * -(-in_features // TILE_INPUTS) * TILE_INPUTS
+    return out_features * in_features
+
+
 # Process overhead: VmRSS of `python -c "import specops.server.app"` after the import (torch 2.13,
 # transformers 5.23, fastapi, uvicorn; no model), median of 3 runs on this repo's 2-core machine
 # (benchmarks/memory_model.py --overhead, 2026-11-27 late night: 424 MiB; 488 earlier that day).
@@ -112,14 +125,15 @@ class ModelShape:
         """What specops.core.packed_linear packs of the lean forward's decoder in bf16: every product weight
         over ONEDNN_MIN_WORK elements (q|k|v, o, gate|up, down per layer)."""
         q = self.heads * self.head_dim
-        per_layer = (self.qkv_params, q * self.hidden, 2 * self.intermediate * self.hidden, self.hidden * self.intermediate)
-        return self.layers * sum(n for n in per_layer if n > ONEDNN_MIN_WORK)
+        weights = ((self.qkv_params // self.hidden, self.hidden), (self.hidden, q), (2 * self.intermediate, self.hidden),
+                   (self.hidden, self.intermediate))  # [out, in]
+        return self.layers * sum(packed_elements(*w) for w in weights if w[0] * w[1] > ONEDNN_MIN_WORK)
 
     @property
     def packed_params(self) -> int:
         """The decoder's packed products and the LM head's (packed at its first use)."""
         head = self.vocab * self.hidden
-        return self.packed_decoder_params + (head if head > ONEDNN_MIN_WORK else 0)
+        return self.packed_decoder_params + (packed_elements(self.vocab, self.hidden) if head > ONEDNN_MIN_WORK else 0)
 
     @property
     def linear_params(self) -> int:
@@ -301,7 +315,8 @@ def memory_report(target: ModelShape, decoding: DecodingShape, draft: ModelShape
         transposed = draft.linear_params - (draft.vocab * draft.hidden if draft_vocab else 0)
         packed_draft = 0
         if decoding.dtype == "bfloat16":  # its vocabulary rows, and its lean forward's products when static
-            packed_draft = draft_vocab * draft.hidden + (draft.packed_decoder_params if static_draft else 0)
+            packed_draft = (packed_elements(draft_vocab, draft.hidden)
+                            + (draft.packed_decoder_params if static_draft else 0))
         draft_weights = DraftWeights(draft.params, draft_vocab * draft.hidden, transposed if fp32_small_batch else 0, b,
                                      packed_draft)
     tokens = decoding.context + decoding.pass_rows
