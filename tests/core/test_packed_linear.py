@@ -30,7 +30,8 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576), (96, 48
 ROWS = [1, 2, 3, 5, 8, 17, 40, 130, 512]  # up to a batched pass of 8 trees of 64 rows
 # On a CPU with AMX tiles F.linear's bf16 product takes another oneDNN primitive above 32 rows (measured on this
 # repo's Xeon: rows then round otherwise than alone); oneDNN's packed product does not switch.
-AMX_CPU = "amx_bf16" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else "")
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+AMX_CPU = "amx_bf16" in CPU_FLAGS
 F_LINEAR_ROWS = [rows for rows in ROWS if rows <= 32 or not AMX_CPU]
 
 
@@ -96,8 +97,7 @@ REFERENCE_ROWS = [1, 2, 3, 5, 7, 8, 13, 40]  # every tile the kernel takes (6 ro
 
 def test_our_kernel_runs_here():
     """Where the extension is built on a CPU with AVX-512 bf16 (this repo's machines), pack takes our kernel."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    if os.environ.get(native.ENV) == "0" or "avx512_bf16" not in flags:
+    if os.environ.get(native.ENV) == "0" or "avx512_bf16" not in CPU_FLAGS:
         pytest.skip("no extension, or no AVX-512 bf16: oneDNN's packing runs")
     weight = torch.randn(960, 576).bfloat16()
     assert native_kernel() is not None and not pack(weight).is_mkldnn
