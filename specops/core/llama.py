@@ -18,11 +18,12 @@ precision);
 compiled ones differ by kernel rounding, the same for every pass of the same shape, which is what batch
 invariance needs (specops.core.kv).
 
-Eager passes run their layers in C++ where the native decoder is built (specops.core.native: the same ATen
-ops in the same order for the products, norms and rotary, without ~45 Python dispatches a layer and without
-the GIL, and an attention kernel of its own that reads each cache in place up to each row's visible end,
-which rounds otherwise than the ATen attention here); the Python loop (`_layers_python`) is what
-torch.compile traces and what runs without a compiler. A process runs one or the other for every pass.
+Eager passes run their layers in C++ where the native decoder is built (specops.core.native: the products
+through the same kernels, an attention kernel of its own that reads each cache in place up to each row's
+visible end, and for bf16 one row kernel each for the norms, rotary, SiLU and the residual adds, without ~45
+Python dispatches a layer and without the GIL; attention, the norms' sums and SiLU's exp round otherwise than
+ATen's here); the Python loop (`_layers_python`) is what torch.compile traces and what runs without a
+compiler. A process runs one or the other for every pass.
 """
 
 from __future__ import annotations
@@ -113,6 +114,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's silu(gate) * up, gate the first half of each row of the gate_up product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# The Python loop's per-layer norm and gated MLP: ATen's ops. The native decoder runs row kernels of its own for
+# bf16 passes (native_elementwise.cpp: the norm's sum and SiLU's exp round otherwise), which the tests put here
+# where the two loops must match bit for bit, as they put its attention kernel in _AttentionPlan.attend.
+LAYER_OPS = (rms_norm, silu_mul)
 
 
 def hidden_slots(visible: torch.Tensor) -> torch.Tensor:
@@ -283,9 +296,10 @@ class LlamaForward(nn.Module):
         n = x.shape[0]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         packed = self._packed_or_none()
+        norm, gated = LAYER_OPS
         captured = []
         for i in range(layers):
-            h = rms_norm(x, self.attn_norm[i], self.eps)
+            h = norm(x, self.attn_norm[i], self.eps)
             qkv = linear(h, self.qkv[i], packed.qkv[i])
             # q and k rotate in one call (their heads side by side): elementwise, the same values as apart.
             qk = qkv[:, : q_size + kv_size].view(n, self.heads + self.kv_heads, self.head_dim)
@@ -302,9 +316,8 @@ class LlamaForward(nn.Module):
                     segment.values[i][branch, :, slot] = v[:, row].transpose(0, 1)
             att = plan.attend(q, i)
             x = x + linear(att.transpose(0, 1).reshape(n, q_size), self.o[i], packed.o[i])
-            h = rms_norm(x, self.mlp_norm[i], self.eps)
-            gate, up = linear(h, self.gate_up[i], packed.gate_up[i]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, self.down[i], packed.down[i])
+            h = norm(x, self.mlp_norm[i], self.eps)
+            x = x + linear(gated(linear(h, self.gate_up[i], packed.gate_up[i])), self.down[i], packed.down[i])
             captured.append(x)
         return captured
 

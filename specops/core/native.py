@@ -1,12 +1,15 @@
 """The lean forward's decoder layers in C++: native_decoder.cpp runs a pass's layers without the interpreter
-between its ops and without the GIL, native_attention.cpp is its attention kernel and native_linear.cpp its
-bf16 product kernel (specops.core.packed_linear packs the weights for it where this CPU has AVX-512 bf16).
+between its ops and without the GIL, native_attention.cpp is its attention kernel, native_linear.cpp its
+bf16 product kernel (specops.core.packed_linear packs the weights for it where this CPU has AVX-512 bf16) and
+native_elementwise.cpp its bf16 row kernels (norms, rotary, SiLU, residual adds).
 
 The Python loop (LlamaForward._layers_python) dispatches ~45 ops a layer, 1,350 for SmolLM2's 30 layers, at a
-few microseconds each, and after each one takes the GIL back. The C++ loop calls the same functions on the
-same tensors in the same order for everything but attention (the products through packed_linear's choice of
-kernel for each weight, as the Python loop), so its products, norms, rotary and cache writes are the Python
-loop's bit for bit, and holds no GIL from a pass's first layer to its last.
+few microseconds each, and after each one takes the GIL back. The C++ loop runs the same products (through
+packed_linear's choice of kernel for each weight, as the Python loop) and cache writes on the same tensors in
+the same order, so those are the Python loop's bit for bit, and holds no GIL from a pass's first layer to its
+last. In bf16 its norms, rotary, SiLU and adds are one row kernel each instead of ~35 ATen ops a layer: rotary
+and the adds round as ATen's do, the norms' sums and SiLU's exp their own way (tests/core/test_native.py runs
+the Python loop on those kernels where the two must match).
 
 Its attention is a kernel of its own: each (sequence, kv head) reads its cache in place, only the slots its rows
 see, in fp32, where ATen's attention stacks a batch's caches padded to the longest every layer. A row's result
@@ -39,8 +42,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("native_decoder.cpp", "native_attention.cpp",
-                                                       "native_linear.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("native_attention.h", "native_linear.h")]
+                                                       "native_linear.cpp", "native_elementwise.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("native_attention.h", "native_linear.h",
+                                                       "native_elementwise.h")]
 ENV = "SPECOPS_NATIVE"  # "0": never build or use the extension
 
 

@@ -10,6 +10,7 @@
 // shape, the cache's length or what lies in the slots it does not see.
 
 #include "native_attention.h"
+#include "native_elementwise.h"
 
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)
@@ -122,24 +123,6 @@ void attend_item_plain(const Item& item, const void* q, void* out, const Shape& 
 // ---- AVX-512 ----
 
 #define SPECOPS_AVX512 __attribute__((target("avx512f")))
-
-// e^x for x <= 0 (a softmax's inputs less their max): Cephes' expf, 2^n * p(r) with r = x - n ln 2.
-SPECOPS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
-}
 
 // Lane j of the result: the sum of v[j]'s lanes, for 16 vectors (a transposing tree of adds, fixed order).
 SPECOPS_AVX512 inline __m512 sum16(const __m512* v) {

@@ -1,10 +1,12 @@
-// LlamaForward's decoder layers for one pass, in C++ (specops/core/native.py): the Python loop's products, norms,
-// rotary and cache writes (specops/core/llama.py, LlamaForward._layers_python) as the same ATen ops on the same
-// tensors in the same order, so the same bits; attention through native_attention.cpp's kernel, which reads
-// each sequence's cache in place (the Python loop pads and stacks them for ATen's matmuls, and rounds
-// otherwise). What changes is who dispatches the ops: ~45 ops a layer from Python cost a few microseconds each
-// and took the GIL back after each one, which a batched server's generation threads (verifying, streaming,
-// drafting in Python) hold much of the time; here a pass holds no GIL from its first layer to its last.
+// LlamaForward's decoder layers for one pass, in C++ (specops/core/native.py): the Python loop's products and cache
+// writes (specops/core/llama.py, LlamaForward._layers_python) on the same tensors in the same order, so the same
+// bits; attention through native_attention.cpp's kernel, which reads each sequence's cache in place (the Python
+// loop pads and stacks them for ATen's matmuls, and rounds otherwise). For bf16 passes the norms, rotary, SiLU
+// and residual adds run as row kernels (native_elementwise.cpp: rotary and the adds ATen's bits, the norms'
+// sums and SiLU's exp their own); fp32 passes keep ATen's ops for them. Who dispatches: ~45 ops a layer from
+// Python cost a few microseconds each and took the GIL back after each one, which a batched server's generation
+// threads (verifying, streaming, drafting in Python) hold much of the time; here a pass holds no GIL from its
+// first layer to its last, and a bf16 layer is ~12 calls, not ~45 ATen ops.
 //
 // The plan of a pass (which rows are whose, what each row sees) is built in Python once per pass
 // (llama._AttentionPlan) and handed over as the plain structs below.
@@ -13,11 +15,14 @@
 #include <torch/extension.h>
 
 #include "native_attention.h"
+#include "native_elementwise.h"
 #include "native_linear.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -96,37 +101,75 @@ class Decoder {
   std::vector<Tensor> run(Tensor x, const Tensor& cos, const Tensor& sin, Plan& plan, int64_t layers,
                           bool packed) const {
     const at::NoGradGuard no_grad;  // whatever the caller's grad mode: a pass's outputs need no graph
-    const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t n = x.size(0), q_size = heads_ * head_dim_;
+    // bf16 passes (what a server runs) take the row kernels (native_elementwise.cpp); fp32 ones ATen's ops.
+    const bool rows = x.scalar_type() == at::kBFloat16;
     const OptionalTensor none;
     std::vector<Tensor> captured;
     captured.reserve(layers);
     for (int64_t i = 0; i < layers; ++i) {
-      Tensor h = llama_rms_norm(x, attn_norm_[i], eps_);
-      Tensor qkv = product(h, qkv_[i], packed ? qkv_packed_[i] : none);
-      Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, heads_ + kv_heads_, head_dim_});
-      qk = rotate(qk.transpose(0, 1), cos, sin);
-      Tensor q = qk.slice(0, 0, heads_), k = qk.slice(0, heads_);
-      Tensor v = qkv.slice(1, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
+      Tensor h = norm(x, attn_norm_[i], rows);
+      const auto [q, k, v] = rotated(product(h, qkv_[i], packed ? qkv_packed_[i] : none), cos, sin, rows);
       for (Sequence& s : plan.sequences) {
         if (!s.branch) {
-          s.keys[i].index_copy_(1, s.pos, k.slice(1, s.start, s.start + s.size));
-          s.values[i].index_copy_(1, s.pos, v.slice(1, s.start, s.start + s.size));
+          write(s.keys[i], k, s);
+          write(s.values[i], v, s);
         } else {
           s.keys[i].index_put_({*s.branch, Slice(), *s.slot}, k.index_select(1, *s.row).transpose(0, 1));
           s.values[i].index_put_({*s.branch, Slice(), *s.slot}, v.index_select(1, *s.row).transpose(0, 1));
         }
       }
       Tensor att = attend(q.contiguous(), i, plan, n);
-      x = x + product(att.transpose(0, 1).reshape({n, q_size}), o_[i], packed ? o_packed_[i] : none);
-      h = llama_rms_norm(x, mlp_norm_[i], eps_);
-      std::vector<Tensor> gate_up = product(h, gate_up_[i], packed ? gate_up_packed_[i] : none).chunk(2, -1);
-      x = x + product(at::silu(gate_up[0]) * gate_up[1], down_[i], packed ? down_packed_[i] : none);
+      x = add(x, product(att.transpose(0, 1).reshape({n, q_size}), o_[i], packed ? o_packed_[i] : none), rows);
+      h = norm(x, mlp_norm_[i], rows);
+      Tensor gate_up = product(h, gate_up_[i], packed ? gate_up_packed_[i] : none);
+      x = add(x, product(gated(gate_up, rows), down_[i], packed ? down_packed_[i] : none), rows);
       captured.push_back(x);
     }
     return captured;
   }
 
  private:
+  Tensor norm(const Tensor& x, const Tensor& weight, bool rows) const {
+    return rows ? specops::rms_norm_rows(x, weight, eps_) : llama_rms_norm(x, weight, eps_);
+  }
+
+  // q [heads, n, D] and k [kv_heads, n, D] rotated, v [kv_heads, n, D], from a pass's qkv product [n, ...].
+  std::tuple<Tensor, Tensor, Tensor> rotated(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                                             bool rows) const {
+    if (rows) return specops::rotate_rows(qkv, cos, sin, heads_, kv_heads_);
+    const int64_t n = qkv.size(0), split = (heads_ + kv_heads_) * head_dim_;
+    Tensor qk = rotate(qkv.slice(1, 0, split).view({n, heads_ + kv_heads_, head_dim_}).transpose(0, 1), cos, sin);
+    Tensor v = qkv.slice(1, split).view({n, kv_heads_, head_dim_}).transpose(0, 1);
+    return {qk.slice(0, 0, heads_), qk.slice(0, heads_), v};
+  }
+
+  static Tensor add(const Tensor& x, const Tensor& y, bool rows) { return rows ? specops::add_rows(x, y) : x + y; }
+
+  static Tensor gated(const Tensor& gate_up, bool rows) {
+    if (rows) return specops::silu_mul_rows(gate_up);
+    std::vector<Tensor> halves = gate_up.chunk(2, -1);
+    return at::silu(halves[0]) * halves[1];
+  }
+
+  // cache[:, pos[r]] = rows[:, start + r] for a chain's rows: index_copy_'s values, as one copy per row and kv head.
+  static void write(Tensor& cache, const Tensor& rows, const Sequence& s) {
+    if (!cache.is_contiguous() || rows.stride(2) != 1 || cache.scalar_type() != rows.scalar_type()) {
+      cache.index_copy_(1, s.pos, rows.slice(1, s.start, s.start + s.size));
+      return;
+    }
+    const Tensor slots = s.pos.contiguous();
+    const int64_t* pos = slots.data_ptr<int64_t>();
+    const int64_t length = cache.size(1), size = cache.element_size(), bytes = cache.size(2) * size;
+    for (int64_t r = 0; r < s.size; ++r) TORCH_CHECK(pos[r] >= 0 && pos[r] < length, "a cache write past its end");
+    char* to = static_cast<char*>(cache.data_ptr());
+    const char* from = static_cast<const char*>(rows.data_ptr());
+    for (int64_t h = 0; h < cache.size(0); ++h)
+      for (int64_t r = 0; r < s.size; ++r)
+        std::memcpy(to + (h * length + pos[r]) * bytes,
+                    from + (h * rows.stride(0) + (s.start + r) * rows.stride(1)) * size, bytes);
+  }
+
   // Attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`: every row through the kernel, a
   // prompt's too, so that a prompt's rows do not depend on how it is cut into passes (specops.core.prefix_cache).
   Tensor attend(const Tensor& q, int64_t layer, const Plan& plan, int64_t n) const {
@@ -165,6 +208,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_supported", &specops::amx_supported);
   m.def("pack_linear", &specops::pack_linear, py::arg("weight"), py::arg("amx"));
   m.def("linear_packed", &specops::linear_packed, py::call_guard<py::gil_scoped_release>());
+  // The decoder's bf16 row ops alone: the tests, which also run the Python loop on them where it must match.
+  m.def("rms_norm_rows", &specops::rms_norm_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("rotate_rows", &specops::rotate_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul_rows", &specops::silu_mul_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("add_rows", &specops::add_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("elementwise_vector", &specops::elementwise_vector);
   // ATen sets a thread's intra-op count from the process-wide last value any thread set, once per thread, at its
   // first parallel op, and this extension inlines its own copy of that once (at::internal::lazy_init_num_threads):
   // run it now, so that the count the thread sets next stays (specops.core.native.set_threads).

@@ -58,9 +58,10 @@ CHECK_ROWS = 3  # rows of the one product each packed weight is checked on again
 def pack(weight: torch.Tensor, ours: bool = True, on_tiles: bool | None = None) -> torch.Tensor | None:
     """`weight` [out, in] packed for `linear`, or None where F.linear stays (not bf16 on a CPU, or not above
     ONEDNN_MIN_WORK elements): for our kernel where it runs (`native_kernel`; `ours` False: never, an A/B of
-    the kernels) and the weight's shape fits it (out a multiple of 16, in even), else in oneDNN's layout, or
-    None there too where oneDNN does not run bf16 (AVX-512; torch.backends.mkldnn enabled) or its product
-    differs from F.linear's on a check."""
+    the kernels) and the weight's shape fits it (out a multiple of 16, in even), on its AMX tiles where
+    `on_tiles` (None: this process's choice, `tiles()`; True only where the CPU has them), else in oneDNN's
+    layout, or None there too where oneDNN does not run bf16 (AVX-512; torch.backends.mkldnn enabled) or its
+    product differs from F.linear's on a check."""
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
             or weight.shape[0] * weight.shape[1] <= ONEDNN_MIN_WORK):
         return None

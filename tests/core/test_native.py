@@ -1,7 +1,8 @@
 """The native decoder (specops/core/native_decoder.cpp) and its attention kernel (native_attention.cpp).
 
-- The C++ loop is the Python loop op for op but for attention: with the Python loop's attention replaced by
-  the kernel, every kind of pass the runtime makes (one row padded to MIN_ROWS, sequences of several cache
+- The C++ loop is the Python loop op for op but for attention and, in bf16, the norms and SiLU: with the Python
+  loop's attention replaced by the kernel (and its bf16 norms and SiLU by the row kernels, LAYER_OPS; rotary,
+  the adds and the cache writes stay ATen's, which the C++ loop's row kernels match), every kind of pass the runtime makes (one row padded to MIN_ROWS, sequences of several cache
   lengths, caches on both sides of PAD_LIMIT, tree branches, prompts through SDPA's causal and masked kernels,
   DEL's early layers, a draft's final hidden states) gives the same logits, layer outputs and cache writes bit
   for bit, bf16 and fp32. Mutant: the Python loop's RMSNorm statistics in the model dtype.
@@ -27,7 +28,15 @@ import pytest
 import torch
 
 from specops.core import native
-from specops.core.llama import Branches, LlamaForward, Segment, _AttentionPlan, llama_forward
+from specops.core.llama import (
+    Branches,
+    LlamaForward,
+    Segment,
+    _AttentionPlan,
+    llama_forward,
+    rms_norm,
+    silu_mul,
+)
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.skipif(os.environ.get(native.ENV) == "0", reason="SPECOPS_NATIVE=0: the Python loop only")
@@ -80,6 +89,18 @@ def kernel_attend(plan: _AttentionPlan, q: torch.Tensor, layer: int) -> torch.Te
     return att
 
 
+def kernel_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The layers' RMSNorm as the C++ loop runs it: the row kernel for bf16, ATen's ops for fp32."""
+    return native.extension().rms_norm_rows(x, weight, eps) if x.dtype == torch.bfloat16 else rms_norm(x, weight, eps)
+
+
+def kernel_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return native.extension().silu_mul_rows(gate_up) if gate_up.dtype == torch.bfloat16 else silu_mul(gate_up)
+
+
+KERNEL_LAYER_OPS = (kernel_norm, kernel_silu_mul)
+
+
 def run_pass(model, make: Callable[[LlamaForward], list[Segment]], run: str, use_native: bool,
              patches: contextlib.AbstractContextManager) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The pass `make` builds through one loop: its outputs, and the caches it left."""
@@ -107,6 +128,7 @@ def loops_agree(model, make: Callable[[LlamaForward], list[Segment]], run: str =
     native_run = run_pass(model, make, run, True, contextlib.nullcontext())
     patches = contextlib.ExitStack()
     patches.enter_context(mock.patch.object(_AttentionPlan, "attend", kernel_attend))
+    patches.enter_context(mock.patch("specops.core.llama.LAYER_OPS", KERNEL_LAYER_OPS))
     if python is not None:
         patches.enter_context(python)
     python_run = run_pass(model, make, run, False, patches)
@@ -133,11 +155,12 @@ def test_norm_statistics_in_bf16_differ():
     """Mutant: the Python loop's RMSNorm statistics in the model dtype, not float32."""
     model = tiny_llama(0, hidden=HIDDEN, dtype=torch.bfloat16)
 
-    def rms_norm(x, weight, eps):
+    def bf16_statistics(x, weight, eps):
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
+    mutant = mock.patch("specops.core.llama.LAYER_OPS", (bf16_statistics, kernel_silu_mul))
     assert loops_agree(model, CASES["five rows"])
-    assert not loops_agree(model, CASES["five rows"], python=mock.patch("specops.core.llama.rms_norm", rms_norm))
+    assert not loops_agree(model, CASES["five rows"], python=mutant)
 
 
 @pytest.mark.parametrize("case", ["three lengths", "tree beside a chain", "prompt chunk beside a row"])
