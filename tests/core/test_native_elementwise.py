@@ -106,7 +106,7 @@ def check_all() -> None:
 
 def row_ops() -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """Each kernel as a function of a pass's rows [n, W] (the other operands fixed), returning one tensor whose
-    dim -2 ... rows are the pass's rows."""
+    first dimension runs over the pass's rows."""
     kernel = native.extension()
     weight, cos, sin = draw(192, seed=3), draw(1, 64, seed=4), draw(1, 64, seed=5)
     return [
