@@ -229,14 +229,17 @@ def test_the_kernel_is_softmax_attention():
     assert_kernel_is_softmax_attention()
 
 
-def test_the_kernel_s_plain_loops_are_softmax_attention_too():
-    """The path a CPU without AVX-512 takes, forced here (SPECOPS_NATIVE_PLAIN=1), in a process of its own."""
-    code = ("from specops.core import native; assert native.extension().attention_path() == 'plain'; "
-            "from tests.core.test_native import assert_kernel_is_softmax_attention as check; check()")
+def assert_on_plain_loops(code: str) -> None:
+    """`code` passes in a process of its own on the paths a CPU without AVX-512 takes (SPECOPS_NATIVE_PLAIN=1)."""
     env = {**os.environ, "SPECOPS_NATIVE_PLAIN": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parents[2])  # the repository root, where `tests` imports from
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_kernel_s_plain_loops_are_softmax_attention_too():
+    assert_on_plain_loops("from specops.core import native; assert native.extension().attention_path() == 'plain'; "
+                          "from tests.core.test_native import assert_kernel_is_softmax_attention as check; check()")
 
 
 def invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:

@@ -13,16 +13,14 @@ the plain loops other CPUs take (SPECOPS_NATIVE_PLAIN=1, in a process of its own
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
 from specops.core import native
 from specops.core.llama import rotate, silu_mul
+from tests.core.test_native import assert_on_plain_loops
 
 pytestmark = pytest.mark.skipif(os.environ.get(native.ENV) == "0", reason="SPECOPS_NATIVE=0: the Python loop only")
 ROW_COUNTS = [1, 2, 7, 16, 33, 70]
@@ -173,12 +171,8 @@ def test_a_process_that_switches_norms_by_pass_size_fails():
 
 
 def test_the_plain_loops_hold_too():
-    code = ("from specops.core import native; assert not native.extension().elementwise_vector(); "
-            "from tests.core.test_native_elementwise import check_all; check_all()")
-    env = {**os.environ, "SPECOPS_NATIVE_PLAIN": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert_on_plain_loops("from specops.core import native; assert not native.extension().elementwise_vector(); "
+                          "from tests.core.test_native_elementwise import check_all; check_all()")
 
 
 def test_silu_mul_is_the_python_loop_s_gated_mlp_up_to_rounding():
