@@ -16,30 +16,33 @@ COMMIT`) beside this one's on the same weights and caches, the two interleaved i
 that their outputs are bitwise equal: a change meant to be faster and to round alike, measured as both.
 `--onednn` does the same against this checkout's forward on oneDNN's packed products instead of our kernel's
 (specops.core.packed_linear; they round otherwise, so bitwise equal is false there), and `--dot-products`
-against our kernel's AVX-512 dot products where this one runs on AMX tiles (rounded otherwise too).
+against our kernel's AVX-512 dot products where this one runs on AMX tiles (rounded otherwise too), and
+`--attention-loops` against the attention kernel's AVX-512 loops where its bf16 rows take AMX tiles.
 
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 5 --prefills 128 256
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 5 --prefills 192 --checkout /tmp/old
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 256,320,384,448x2 --rows 1 3 5 --attention
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 3 --prefills 64 192 --onednn
     .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 3 --prefills 64 192 --dot-products
+    .venv/bin/python benchmarks/batched_pass.py --cases 320 320x8 --rows 1 5 --prefills 64 192 --attention-loops
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from specops.core import native
+from specops.core import native, packed_linear
 from specops.core.kv import StaticLM
 from specops.core.llama import LlamaForward, Segment, _AttentionPlan, llama_forward
 from specops.core.packed_linear import pack, tiles
@@ -205,6 +208,37 @@ def repacked_forward(model: torch.nn.Module, ours: bool, on_tiles: bool) -> Llam
     return forward
 
 
+class AttentionLoops:
+    """`forward` with the attention kernel's AVX-512 loops for its bf16 rows where it takes the AMX tiles
+    (SPECOPS_AMX=0 while its passes run: the kernel reads it at each call, the products were packed before)."""
+
+    def __init__(self, forward: LlamaForward) -> None:
+        self.forward = forward
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.forward, name)
+
+    @contextlib.contextmanager
+    def _loops(self) -> Iterator[None]:
+        before = os.environ.get(packed_linear.AMX_ENV)
+        os.environ[packed_linear.AMX_ENV] = "0"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[packed_linear.AMX_ENV]
+            else:
+                os.environ[packed_linear.AMX_ENV] = before
+
+    def forward_many(self, *args: object, **kwargs: object) -> object:
+        with self._loops():
+            return self.forward.forward_many(*args, **kwargs)
+
+    def prefill(self, *args: object) -> object:
+        with self._loops():
+            return self.forward.prefill(*args)
+
+
 def compare(model: torch.nn.Module, other: LlamaForward, cases: list[str], rows: list[int], prefills: list[int],
             repeats: int) -> list[dict]:
     """This checkout's forward against `other` (another checkout's, or this one's on oneDNN's products), case
@@ -265,16 +299,21 @@ def main() -> None:
     parser.add_argument("--dot-products", action="store_true",
                         help="time this checkout's forward beside itself on our AVX-512 dot products instead of AMX "
                              "tiles, where this CPU has them, interleaved (as --checkout)")
+    parser.add_argument("--attention-loops", action="store_true",
+                        help="time this checkout's forward beside itself with the attention kernel's AVX-512 loops "
+                             "instead of AMX tiles for bf16 rows, where this CPU has them, interleaved (as --checkout)")
     parser.add_argument("--out", default=None,
                         help="the JSON to write (default: benchmarks/results/batched_pass.json; with --checkout, "
                              "batched_pass_checkout.json)")
     args = parser.parse_args()
-    others = {"_checkout": args.checkout is not None, "_onednn": args.onednn, "_dot_products": args.dot_products}
+    others = {"_checkout": args.checkout is not None, "_onednn": args.onednn, "_dot_products": args.dot_products,
+              "_attention_loops": args.attention_loops}
     if any(others.values()) and args.profile:
-        parser.error("--profile profiles this checkout's passes alone; leave out --checkout, --onednn and "
-                     "--dot-products")
+        parser.error("--profile profiles this checkout's passes alone; leave out --checkout, --onednn, "
+                     "--dot-products and --attention-loops")
     if sum(others.values()) > 1:
-        parser.error("--checkout, --onednn and --dot-products each take the other side of the comparison; give one")
+        parser.error("--checkout, --onednn, --dot-products and --attention-loops each take the other side of the "
+                     "comparison; give one")
     suffix = next((name for name, given in others.items() if given), "")
     args.out = args.out or f"benchmarks/results/batched_pass{suffix}.json"
     torch.set_num_threads(args.threads)
@@ -282,10 +321,12 @@ def main() -> None:
     if suffix:
         with torch.inference_mode():
             other = (checkout_forward(model, args.checkout.resolve()) if args.checkout is not None
+                     else AttentionLoops(llama_forward(model)[0]) if args.attention_loops  # type: ignore[assignment]
                      else repacked_forward(model, ours=not args.onednn, on_tiles=not args.dot_products))
             compared = compare(model, other, args.cases, args.rows, args.prefills, args.repeats)
         checkout = ({"path": str(args.checkout), "code": code_version(args.checkout)} if args.checkout else
                     "this checkout on oneDNN's packed products" if args.onednn else
+                    "this checkout with the attention kernel's AVX-512 loops" if args.attention_loops else
                     "this checkout on our kernel's dot products")
         Path(args.out).write_text(json.dumps({
             "threads": args.threads, "load_avg": os.getloadavg(), "this": code_version(Path(__file__).parent),

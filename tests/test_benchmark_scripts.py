@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from benchmarks.batched_pass import (
+    AttentionLoops,
     checkout_forward,
     compare,
     compare_attention,
@@ -31,6 +32,7 @@ from benchmarks.load_test import (
     plot,
     process_cpu_s,
 )
+from specops.core.llama import llama_forward
 from tests.conftest import tiny_llama
 
 
@@ -111,6 +113,19 @@ def test_the_dot_products_are_timed_beside_the_tiles_and_round_otherwise():
     with torch.inference_mode():
         rows = compare(model, other, ["128"], [3], [20], repeats=1)
     assert all(row["bitwise_equal"] for row in rows) != tiles()
+
+
+def test_the_attention_loops_are_timed_beside_the_tiles_and_round_otherwise():
+    """--attention-loops: this checkout's forward with the attention kernel's AVX-512 loops beside its tiles; where
+    bf16 rows take the tiles the two round otherwise, elsewhere they are one path; SPECOPS_AMX is as before."""
+    from specops.core import native
+
+    before = os.environ.get("SPECOPS_AMX")
+    model = tiny_llama(0, dtype=torch.bfloat16, hidden=128)
+    with torch.inference_mode():
+        rows = compare(model, AttentionLoops(llama_forward(model)[0]), ["128"], [3], [20], repeats=1)
+    assert os.environ.get("SPECOPS_AMX") == before
+    assert all(row["bitwise_equal"] for row in rows) != (native.extension().attention_path() == "amx")
 
 
 def test_a_checkout_without_the_forward_is_refused(tmp_path):

@@ -7,10 +7,12 @@
 // scores of 16 keys at a time against each query (fp32), a softmax in fp32, and the weighted sum of the
 // values in fp32, rounded once to the output's dtype. A row's result is a fixed sequence of operations on
 // its query and its visible slots, so it is the same alone or beside any other rows, whatever the pass's
-// shape, the cache's length or what lies in the slots it does not see.
+// shape, the cache's length or what lies in the slots it does not see. On a CPU with AMX, bf16 rows take the
+// tile unit instead (attend_item_amx, below): the same rows alone, another rounding.
 
 #include "native_attention.h"
 #include "native_elementwise.h"
+#include "native_linear.h"
 
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 namespace specops {
@@ -54,6 +57,9 @@ inline float load_one(const void* base, int64_t i, bool bf16) {
 // and past the last key, so the vector loops need no masks there.
 struct Buffers {
   std::vector<float> queries, keys, values, scores, block, acc;
+  std::vector<uint16_t> tile_queries, weights;  // the tiles' queries and weights (bf16), AMX only
+  std::vector<uint32_t> value_pairs;
+  std::vector<int64_t> reach;
 };
 
 void fill(const Item& item, const void* q, const Shape& s, int64_t keys, Buffers& b) {
@@ -243,6 +249,203 @@ SPECOPS_AVX512 void attend_item_avx512(const Item& item, const void* q, void* ou
   }
 }
 
+
+// ---- AMX tiles (bf16) ----
+//
+// The products of attention on Intel's tile unit, for bf16 rows of any D up to 128 (zero-padded to whole tiles).
+// Scores: each 16 queries x 16 keys tile is one sum over D per entry, in the same order for every entry
+// (queries [16, 32 dims] times the keys' dims in pairs, transposed from the cache's rows). Softmax in fp32 as
+// above. Weighted sum: the softmax weights rounded to bf16 (as flash attention multiplies them) times the values,
+// 32 keys at a time, in key order. A row's keys past its own end weigh exactly 0, so the other rows of its tile
+// (which may see further) add only zeros to its sums: its result is its own query and visible slots' alone.
+
+#define SPECOPS_AMX_ATTENTION __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int64_t kTile = 16;       // queries per tile; keys per scores tile; pairs per weights tile
+constexpr int64_t kPairKeys = 32;   // keys per weighted-sum tile product
+constexpr int64_t kMaxDims = 128;   // D up to 4 tiles of 32 dims
+
+// Every tile 16 rows of 64 bytes (ldtilecfg's palette 1 layout). Scores: tile 0 the sums, 1 the queries, 2 the
+// keys. Weighted sum: tiles 0-3 the sums of 4 chunks of 16 dims, 4 the weights, 5 the values.
+struct alignas(64) AttentionTiles {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+SPECOPS_AMX_ATTENTION void configure_attention_tiles() {
+  AttentionTiles config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTile;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// 16 rows of 16 32-bit words, transposed in place: row x then holds word x of every input row.
+SPECOPS_AMX_ATTENTION inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4i + k]'s 128-bit lane L: word 4L + k of rows 4i..4i+3.
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88), e = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(b, e, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    r[12 + k] = _mm512_shuffle_i32x4(b, e, 0xDD);
+  }
+}
+
+// The bf16 elements [from, from + count) of a row (count <= 32) as 32 elements, zeros past them.
+SPECOPS_AMX_ATTENTION inline __m512i load_dims(const uint16_t* row, int64_t count) {
+  return _mm512_maskz_loadu_epi16(count >= 32 ? ~0u : (1u << count) - 1, row);
+}
+
+// Keys j0..j0+15 (zeros at and past `keys`), dims 32c..32c+31 of each: the scores' weight tile, whose row x
+// holds dims 32c+2x and 32c+2x+1 of every key (the cache's rows transposed as pairs).
+SPECOPS_AMX_ATTENTION void key_tile(const uint16_t* cache, int64_t d, int64_t j0, int64_t keys, int64_t c,
+                                    uint16_t* tile) {
+  __m512i r[kTile];
+  for (int n = 0; n < kTile; ++n) {
+    r[n] = j0 + n < keys ? load_dims(cache + (j0 + n) * d + 32 * c, std::min<int64_t>(32, d - 32 * c))
+                         : _mm512_setzero_si512();
+  }
+  transpose16(r);
+  for (int x = 0; x < kTile; ++x) _mm512_storeu_si512(tile + 32 * x, r[x]);
+}
+
+SPECOPS_AMX_ATTENTION void attend_item_amx(const Item& item, const void* q, void* out, const Shape& s, Buffers& b) {
+  const int64_t rows = static_cast<int64_t>(item.rows.size()), queries = s.groups * rows;
+  const int64_t tiles = (queries + kTile - 1) / kTile, d = s.d, chunks = (d + 31) / 32, dims = (d + 15) / 16;
+  const int64_t keys = *std::max_element(item.ends.begin(), item.ends.end());
+  const int64_t padded_keys = (keys + kPairKeys - 1) / kPairKeys * kPairKeys;
+  const int64_t width = chunks * 32;  // a query's dims, zero-padded
+  const uint16_t* query_rows = static_cast<const uint16_t*>(q);
+  b.tile_queries.assign(tiles * kTile * width, 0);
+  b.reach.assign(tiles, 0);  // the largest end of each tile's queries
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t from = ((item.kv_head * s.groups + i / rows) * s.n + item.rows[i % rows]) * d;
+    std::memcpy(&b.tile_queries[i * width], query_rows + from, d * sizeof(uint16_t));
+    b.reach[i / kTile] = std::max(b.reach[i / kTile], item.ends[i % rows]);
+  }
+  b.scores.resize(tiles * kTile * padded_keys);
+  configure_attention_tiles();
+  alignas(64) uint16_t key_tiles[kMaxDims / 32][kTile * 32];
+  const uint16_t* key_cache = static_cast<const uint16_t*>(item.keys);
+  for (int64_t j0 = 0; j0 < keys; j0 += kTile) {
+    for (int64_t c = 0; c < chunks; ++c) key_tile(key_cache, d, j0, keys, c, key_tiles[c]);
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (j0 >= b.reach[t]) continue;  // no query of this tile sees these keys
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(1, &b.tile_queries[t * kTile * width + 32 * c], width * 2);
+        _tile_loadd(2, key_tiles[c], 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, &b.scores[t * kTile * padded_keys + j0], padded_keys * 4);
+    }
+  }
+  // Softmax over each row's visible slots, scaled here (the products summed the unscaled query); the weights
+  // rounded to bf16, zero past the row's end and for the tiles' rows past the last query.
+  b.weights.assign(tiles * kTile * padded_keys, 0);
+  std::vector<float> inverse(queries);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t end = item.ends[i % rows];
+    const float* score = &b.scores[i * padded_keys];
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < end; j += kLanes) {
+      const __mmask16 live = end - j >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (end - j)) - 1);
+      top = _mm512_mask_max_ps(top, live, top, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, score + j), scale));
+    }
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < end; j += kLanes) {
+      const __mmask16 live = end - j >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (end - j)) - 1);
+      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, score + j), scale), max);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
+      total = _mm512_add_ps(total, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&b.weights[i * padded_keys + j]), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // The values as the weighted sum's weight tiles: row x of a tile holds keys 2x and 2x+1 of 16 dims, in pairs
+  // [pair, chunk of 16 dims, 16]; zeros past `keys` and past D.
+  const uint16_t* value_cache = static_cast<const uint16_t*>(item.values);
+  b.value_pairs.resize(padded_keys / 2 * dims * kTile);
+  for (int64_t x = 0; x < padded_keys / 2; ++x) {
+    for (int64_t c = 0; c < dims; ++c) {
+      const int64_t count = std::min<int64_t>(kTile, d - kTile * c);
+      const __mmask16 live = count >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+      const __m512i even = 2 * x < keys ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live,
+                               value_cache + 2 * x * d + kTile * c)) : _mm512_setzero_si512();
+      const __m512i odd = 2 * x + 1 < keys ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live,
+                              value_cache + (2 * x + 1) * d + kTile * c)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(&b.value_pairs[(x * dims + c) * kTile], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+  }
+  // The weighted sums, 32 keys at a time in key order, each tile's 16 queries over the keys its rows see
+  // (rounded up to 32; the weights past a row's end are 0), 4 chunks of 16 dims per sweep.
+  alignas(64) float scratch[kTile * kTile];
+  const int64_t stride = dims * kTile * 4;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t blocks = (b.reach[t] + kPairKeys - 1) / kPairKeys;
+    for (int64_t c0 = 0; c0 < dims; c0 += 4) {
+      const int64_t sweep = std::min<int64_t>(4, dims - c0);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < blocks; ++k) {
+        _tile_loadd(4, &b.weights[t * kTile * padded_keys + k * kPairKeys], padded_keys * 2);
+        // (A tile instruction names its registers in its text: literals, not parameters.)
+        const uint32_t* pairs = &b.value_pairs[(k * kTile * dims + c0) * kTile];
+        _tile_loadd(5, pairs, stride);
+        _tile_dpbf16ps(0, 4, 5);
+        if (sweep > 1) {
+          _tile_loadd(5, pairs + kTile, stride);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (sweep > 2) {
+          _tile_loadd(5, pairs + 2 * kTile, stride);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (sweep > 3) {
+          _tile_loadd(5, pairs + 3 * kTile, stride);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      for (int64_t c = c0; c < c0 + sweep; ++c) {
+        switch (c - c0) {
+          case 0: _tile_stored(0, scratch, 64); break;
+          case 1: _tile_stored(1, scratch, 64); break;
+          case 2: _tile_stored(2, scratch, 64); break;
+          default: _tile_stored(3, scratch, 64); break;
+        }
+        const int64_t count = std::min<int64_t>(kTile, d - kTile * c);
+        const __mmask16 live = count >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+        for (int64_t m = 0; m < kTile && t * kTile + m < queries; ++m) {
+          const int64_t i = t * kTile + m;
+          const int64_t head = item.kv_head * s.groups + i / rows, row = item.rows[i % rows];
+          const __m512 result = _mm512_mul_ps(_mm512_loadu_ps(scratch + m * kTile), _mm512_set1_ps(inverse[i]));
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + (head * s.n + row) * d + kTile * c, live,
+                                   (__m256i)_mm512_cvtneps_pbh(result));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
 #endif  // SPECOPS_X86
 
 bool has_avx512() {
@@ -254,9 +457,20 @@ bool has_avx512() {
 #endif
 }
 
+// bf16 rows on the tiles: where the CPU has them, unless SPECOPS_AMX=0 (read at each call, as
+// specops.core.packed_linear reads it for the products).
+bool on_tiles() {
+#ifdef SPECOPS_X86
+  const char* setting = std::getenv("SPECOPS_AMX");
+  return has_avx512() && amx_supported() && (setting == nullptr || std::strcmp(setting, "0") != 0);
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
-const char* attention_path() { return has_avx512() ? "avx512" : "plain"; }
+const char* attention_path() { return on_tiles() ? "amx" : has_avx512() ? "avx512" : "plain"; }
 
 void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendRows>& sequences) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "attend_rows: q and out must be "
@@ -304,10 +518,15 @@ void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendR
   const void* queries = q.data_ptr();
   void* result = out.data_ptr();
   [[maybe_unused]] const bool vector = has_avx512();  // unused where only the plain loops are compiled in
+  [[maybe_unused]] const bool tiles = shape.bf16 && on_tiles();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers buffers;
     for (int64_t i = begin; i < end; ++i) {
 #ifdef SPECOPS_X86
+      if (tiles) {
+        attend_item_amx(items[i], queries, result, shape, buffers);
+        continue;
+      }
       if (vector) {
         switch (shape.padded_d / kLanes) {  // D <= 128
           case 1: attend_item_avx512<1>(items[i], queries, result, shape, buffers); break;

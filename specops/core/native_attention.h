@@ -22,10 +22,12 @@ struct AttendRows {
 // (grouped onto kv heads as h / (heads / kv_heads)) and every row r of every sequence in `rows`; q and out are
 // [heads, n, D] contiguous, in the caches' dtype (bf16 or fp32). Each row reads only the slots it sees, in a
 // fixed order, so its result depends on nothing but its query, its visible slots and the CPU's code path
-// (AVX-512 where the CPU has it, else plain loops): not on the other rows, sequences or the cache's length.
+// (bf16 on AMX tiles where the CPU has them, fp32 and CPUs without them on AVX-512, else plain loops): not on the
+// other rows, sequences or the cache's length.
 void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendRows>& rows);
 
-// "avx512" or "plain": the code path attend_rows takes on this CPU (SPECOPS_NATIVE_PLAIN=1 forces "plain").
+// "amx", "avx512" or "plain": the code path attend_rows takes for bf16 rows on this CPU ("amx": fp32 rows take
+// "avx512"). SPECOPS_AMX=0 keeps bf16 off the tiles; SPECOPS_NATIVE_PLAIN=1 forces "plain".
 const char* attention_path();
 
 }  // namespace specops

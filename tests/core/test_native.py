@@ -225,21 +225,36 @@ def assert_kernel_is_softmax_attention() -> None:
 
 
 def test_the_kernel_is_softmax_attention():
-    assert native.extension().attention_path() in ("avx512", "plain")
+    assert native.extension().attention_path() in ("amx", "avx512", "plain")
     assert_kernel_is_softmax_attention()
+
+
+def assert_in_own_process(code: str, **env: str) -> None:
+    """`code` passes in a process of its own, with `env` set."""
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parents[2])  # the repository root, where `tests` imports from
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def assert_on_plain_loops(code: str) -> None:
     """`code` passes in a process of its own on the paths a CPU without AVX-512 takes (SPECOPS_NATIVE_PLAIN=1)."""
-    env = {**os.environ, "SPECOPS_NATIVE_PLAIN": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parents[2])  # the repository root, where `tests` imports from
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert_in_own_process(code, SPECOPS_NATIVE_PLAIN="1")
 
 
 def test_the_kernel_s_plain_loops_are_softmax_attention_too():
     assert_on_plain_loops("from specops.core import native; assert native.extension().attention_path() == 'plain'; "
                           "from tests.core.test_native import assert_kernel_is_softmax_attention as check; check()")
+
+
+def test_the_kernel_s_avx512_loops_are_softmax_attention_and_row_invariant_too():
+    """Where bf16 rows take the AMX tiles (this repo's Xeon), the AVX-512 loops still serve fp32 rows and CPUs
+    without tiles: SPECOPS_AMX=0 puts bf16 rows on them too."""
+    if native.extension().attention_path() != "amx":
+        pytest.skip("bf16 rows take the AVX-512 loops (or plain loops) in this process already")
+    assert_in_own_process("from specops.core import native; assert native.extension().attention_path() == 'avx512'; "
+                          "from tests.core.test_native import assert_kernel_is_softmax_attention as check, invariances, "
+                          "prompt_invariances; check(); assert all(invariances(lambda pos: pos + 1)); "
+                          "assert all(prompt_invariances(lambda pos: pos + 1))", SPECOPS_AMX="0")
 
 
 def invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:
@@ -277,13 +292,45 @@ def invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:
     return [torch.equal(base, other) for other in (alone, beside, scrambled, longer, branched)]
 
 
+def prompt_invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:
+    """A prompt's 40 rows at slots 0..39 of a cache of 64 (9 query heads, 3 kv heads, D 64, bf16; on the tiles
+    three tiles of queries per kv head and 32 rows, then 8), with the ends `ends_of(pos)` gives: are its outputs
+    bitwise the same (1) row by row alone, (2) in two chunks of 17 and 23 rows, (3) with other contents in the
+    slots past the prompt?"""
+    kernel = native.extension()
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(9, 40, 64, generator=generator).bfloat16()
+    keys, values = (torch.randn(3, 64, 64, generator=generator).bfloat16() for _ in range(2))
+    pos = torch.arange(40)
+
+    def attend(rows: slice, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        part = q[:, rows].contiguous()
+        out = torch.zeros_like(part)
+        kernel.attend_rows(part, out, [keys], [values], [0], [ends_of(pos[rows])], [None])
+        return out
+
+    whole = attend(slice(0, 40), keys, values)
+    alone = torch.cat([attend(slice(r, r + 1), keys, values) for r in range(40)], 1)
+    chunks = torch.cat([attend(slice(0, 17), keys, values), attend(slice(17, 40), keys, values)], 1)
+    scrambled_keys, scrambled_values = keys.clone(), values.clone()
+    scrambled_keys[:, 40:] = torch.randn(3, 24, 64, generator=generator).bfloat16()
+    scrambled_values[:, 40:] = torch.randn(3, 24, 64, generator=generator).bfloat16()
+    scrambled = attend(slice(0, 40), scrambled_keys, scrambled_values)
+    return [torch.equal(whole, other) for other in (alone, chunks, scrambled)]
+
+
 def test_a_row_depends_only_on_its_query_and_its_visible_slots():
     assert all(invariances(lambda pos: pos + 1))
+
+
+def test_a_prompt_row_depends_only_on_its_query_and_its_visible_slots():
+    assert all(prompt_invariances(lambda pos: pos + 1))
 
 
 def test_rows_that_see_one_slot_past_their_own_differ():
     """Mutant: ends one past each row's own slot; the next slot's contents then change its result."""
     assert not all(invariances(lambda pos: pos + 2))
+    assert not all(prompt_invariances(lambda pos: pos + 2))
 
 
 # ---- a thread's intra-op count ----
