@@ -383,15 +383,21 @@ SPECOPS_AMX_ATTENTION void attend_item_amx(const Item& item, const void* q, void
   // [pair, chunk of 16 dims, 16]; zeros past `keys` and past D.
   const uint16_t* value_cache = static_cast<const uint16_t*>(item.values);
   b.value_pairs.resize(padded_keys / 2 * dims * kTile);
+  alignas(64) uint16_t low[32], high[32];  // element e of a pair's 16 dims: key 2x's dim e / 2 (e even), else 2x+1's
+  for (int e = 0; e < 32; ++e) {
+    low[e] = static_cast<uint16_t>(e / 2 + (e % 2 ? 32 : 0));
+    high[e] = static_cast<uint16_t>(low[e] + kTile);
+  }
+  const __m512i interleave_low = _mm512_load_si512(low), interleave_high = _mm512_load_si512(high);
   for (int64_t x = 0; x < padded_keys / 2; ++x) {
-    for (int64_t c = 0; c < dims; ++c) {
-      const int64_t count = std::min<int64_t>(kTile, d - kTile * c);
-      const __mmask16 live = count >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-      const __m512i even = 2 * x < keys ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live,
-                               value_cache + 2 * x * d + kTile * c)) : _mm512_setzero_si512();
-      const __m512i odd = 2 * x + 1 < keys ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live,
-                              value_cache + (2 * x + 1) * d + kTile * c)) : _mm512_setzero_si512();
-      _mm512_storeu_si512(&b.value_pairs[(x * dims + c) * kTile], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    for (int64_t c = 0; c < chunks; ++c) {  // 32 dims of both keys, two chunks of 16 of the tile's rows
+      const int64_t count = std::min<int64_t>(32, d - 32 * c);
+      const __m512i even = 2 * x < keys ? load_dims(value_cache + 2 * x * d + 32 * c, count) : _mm512_setzero_si512();
+      const __m512i odd = 2 * x + 1 < keys ? load_dims(value_cache + (2 * x + 1) * d + 32 * c, count)
+                                           : _mm512_setzero_si512();
+      uint32_t* to = &b.value_pairs[(x * dims + 2 * c) * kTile];
+      _mm512_storeu_si512(to, _mm512_permutex2var_epi16(even, interleave_low, odd));
+      if (2 * c + 1 < dims) _mm512_storeu_si512(to + kTile, _mm512_permutex2var_epi16(even, interleave_high, odd));
     }
   }
   // The weighted sums, 32 keys at a time in key order, each tile's 16 queries over the keys its rows see
