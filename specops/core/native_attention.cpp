@@ -454,21 +454,12 @@ SPECOPS_AMX_ATTENTION void attend_item_amx(const Item& item, const void* q, void
 }
 #endif  // SPECOPS_X86
 
-bool has_avx512() {
-#ifdef SPECOPS_X86
-  static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("SPECOPS_NATIVE_PLAIN") == nullptr;
-  return yes;
-#else
-  return false;
-#endif
-}
-
 // bf16 rows on the tiles: where the CPU has them, unless SPECOPS_AMX=0 (read at each call, as
 // specops.core.packed_linear reads it for the products).
 bool on_tiles() {
 #ifdef SPECOPS_X86
   const char* setting = std::getenv("SPECOPS_AMX");
-  return has_avx512() && amx_supported() && (setting == nullptr || std::strcmp(setting, "0") != 0);
+  return elementwise_vector() && amx_supported() && (setting == nullptr || std::strcmp(setting, "0") != 0);
 #else
   return false;
 #endif
@@ -476,7 +467,7 @@ bool on_tiles() {
 
 }  // namespace
 
-const char* attention_path() { return on_tiles() ? "amx" : has_avx512() ? "avx512" : "plain"; }
+const char* attention_path() { return on_tiles() ? "amx" : elementwise_vector() ? "avx512" : "plain"; }
 
 void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendRows>& sequences) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.sizes() == out.sizes(), "attend_rows: q and out must be "
@@ -523,7 +514,7 @@ void attend_rows(const at::Tensor& q, at::Tensor& out, const std::vector<AttendR
                     q.scalar_type() == at::kBFloat16, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)))};
   const void* queries = q.data_ptr();
   void* result = out.data_ptr();
-  [[maybe_unused]] const bool vector = has_avx512();  // unused where only the plain loops are compiled in
+  [[maybe_unused]] const bool vector = elementwise_vector();  // unused where only the plain loops are compiled in
   [[maybe_unused]] const bool tiles = shape.bf16 && on_tiles();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers buffers;

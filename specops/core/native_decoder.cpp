@@ -112,8 +112,7 @@ class Decoder {
       const auto [q, k, v] = rotated(product(h, qkv_[i], packed ? qkv_packed_[i] : none), cos, sin, rows);
       for (Sequence& s : plan.sequences) {
         if (!s.branch) {
-          write(s.keys[i], k, s);
-          write(s.values[i], v, s);
+          write(s.keys[i], s.values[i], k, v, s);
         } else {
           s.keys[i].index_put_({*s.branch, Slice(), *s.slot}, k.index_select(1, *s.row).transpose(0, 1));
           s.values[i].index_put_({*s.branch, Slice(), *s.slot}, v.index_select(1, *s.row).transpose(0, 1));
@@ -152,22 +151,29 @@ class Decoder {
     return at::silu(halves[0]) * halves[1];
   }
 
-  // cache[:, pos[r]] = rows[:, start + r] for a chain's rows: index_copy_'s values, as one copy per row and kv head.
-  static void write(Tensor& cache, const Tensor& rows, const Sequence& s) {
-    if (!cache.is_contiguous() || rows.stride(2) != 1 || cache.scalar_type() != rows.scalar_type()) {
-      cache.index_copy_(1, s.pos, rows.slice(1, s.start, s.start + s.size));
+  // keys[:, pos[r]] = k[:, start + r] and values[:, pos[r]] = v[:, start + r] for a chain's rows: index_copy_'s
+  // values, as one copy per row and kv head (the slots checked once for both caches, which share their shape).
+  static void write(Tensor& keys, Tensor& values, const Tensor& k, const Tensor& v, const Sequence& s) {
+    const auto copyable = [](const Tensor& cache, const Tensor& rows) {
+      return cache.is_contiguous() && rows.stride(2) == 1 && cache.scalar_type() == rows.scalar_type();
+    };
+    if (!copyable(keys, k) || !copyable(values, v) || keys.sizes() != values.sizes()) {
+      keys.index_copy_(1, s.pos, k.slice(1, s.start, s.start + s.size));
+      values.index_copy_(1, s.pos, v.slice(1, s.start, s.start + s.size));
       return;
     }
     const Tensor slots = s.pos.contiguous();
     const int64_t* pos = slots.data_ptr<int64_t>();
-    const int64_t length = cache.size(1), size = cache.element_size(), bytes = cache.size(2) * size;
+    const int64_t length = keys.size(1), size = keys.element_size(), bytes = keys.size(2) * size;
     for (int64_t r = 0; r < s.size; ++r) TORCH_CHECK(pos[r] >= 0 && pos[r] < length, "a cache write past its end");
-    char* to = static_cast<char*>(cache.data_ptr());
-    const char* from = static_cast<const char*>(rows.data_ptr());
-    for (int64_t h = 0; h < cache.size(0); ++h)
-      for (int64_t r = 0; r < s.size; ++r)
-        std::memcpy(to + (h * length + pos[r]) * bytes,
-                    from + (h * rows.stride(0) + (s.start + r) * rows.stride(1)) * size, bytes);
+    for (const auto& [cache, rows] : {std::pair<const Tensor&, const Tensor&>{keys, k}, {values, v}}) {
+      char* to = static_cast<char*>(cache.data_ptr());
+      const char* from = static_cast<const char*>(rows.data_ptr());
+      for (int64_t h = 0; h < cache.size(0); ++h)
+        for (int64_t r = 0; r < s.size; ++r)
+          std::memcpy(to + (h * length + pos[r]) * bytes,
+                      from + (h * rows.stride(0) + (s.start + r) * rows.stride(1)) * size, bytes);
+    }
   }
 
   // Attention outputs [heads, n, D] for the queries q [heads, n, D] at `layer`: every row through the kernel, a

@@ -28,8 +28,9 @@ at::Tensor silu_mul_rows(const at::Tensor& gate_up);
 // x + y of bf16 rows, as ATen adds them (in float32, rounded once).
 at::Tensor add_rows(const at::Tensor& x, const at::Tensor& y);
 
-// Whether these ops take their AVX-512 loops here, else plain loops (SPECOPS_NATIVE_PLAIN=1 forces them), whose
-// SiLU takes libm's exp and so rounds otherwise: a CPU runs one or the other, as for attention.
+// Whether these ops and attention (native_attention.cpp) take their AVX-512 loops here (AVX-512 F, BW and VL),
+// else plain loops (SPECOPS_NATIVE_PLAIN=1 forces them), whose SiLU takes libm's exp and so rounds otherwise: a
+// CPU runs one or the other.
 bool elementwise_vector();
 
 #if defined(__x86_64__)

@@ -226,12 +226,12 @@ namespace {
 struct Product {
   at::Tensor rows, out;
   std::vector<int64_t> shape;
-  int64_t m;
   Product(const at::Tensor& x, int64_t k, int64_t width, int64_t n)
       : rows(width > k ? at::constant_pad_nd(x.reshape({-1, k}), {0, width - k}) : x.reshape({-1, k}).contiguous()),
-        out(at::empty({rows.size(0), n}, x.options())), shape(x.sizes().vec()), m(rows.size(0)) {
+        out(at::empty({rows.size(0), n}, x.options())), shape(x.sizes().vec()) {
     shape.back() = n;
   }
+  int64_t m() const { return rows.size(0); }
   const uint16_t* in() const { return reinterpret_cast<const uint16_t*>(rows.data_ptr()); }
   uint16_t* y() const { return reinterpret_cast<uint16_t*>(out.data_ptr()); }
   at::Tensor result() const { return out.view(shape); }
@@ -251,10 +251,10 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed) {
   const Product p(x, k, chunks * kChunk, n);
 #ifdef SPECOPS_X86
   const int64_t block = chunks * kTileRows * 2 * kBlock;
-  if (p.m > 0) {
+  if (p.m() > 0) {
     // The threads take pairs of blocks; each configures its own tiles (the configuration is a thread's).
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t first, int64_t last) {
-      amx_rows(p.in(), chunks * kChunk, p.m, weights(packed), block, blocks, chunks, first, last, p.y(), n);
+      amx_rows(p.in(), chunks * kChunk, p.m(), weights(packed), block, blocks, chunks, first, last, p.y(), n);
     });
   }
 #endif
@@ -275,7 +275,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed) {
   const uint16_t* in = p.in();
   const uint16_t* w = weights(packed);
   uint16_t* y = p.y();
-  const int64_t m = p.m;
+  const int64_t m = p.m();
   const int64_t block = pairs * 2 * kBlock;  // one block's packed weights
   // Groups of 4 blocks (64 outputs), or of 2 or 1 where the outputs do not divide so: the threads take groups.
   const int64_t group = blocks % 4 == 0 ? 4 : blocks % 2 == 0 ? 2 : 1;
