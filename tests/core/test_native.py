@@ -293,10 +293,10 @@ def invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:
 
 
 def prompt_invariances(ends_of: Callable[[torch.Tensor], torch.Tensor]) -> list[bool]:
-    """A prompt's 40 rows at slots 0..39 of a cache of 64 (9 query heads, 3 kv heads, D 64, bf16; on the tiles
-    three tiles of queries per kv head and 32 rows, then 8), with the ends `ends_of(pos)` gives: are its outputs
-    bitwise the same (1) row by row alone, (2) in two chunks of 17 and 23 rows, (3) with other contents in the
-    slots past the prompt?"""
+    """A prompt's 40 rows at slots 0..39 of a cache of 64 (9 query heads, 3 kv heads, D 64, bf16; on the tiles a
+    kv head's first 32 rows are six tiles of 16 queries, its last 8 two more), with the ends `ends_of(pos)` gives:
+    are its outputs bitwise the same (1) row by row alone, (2) in two chunks of 17 and 23 rows, (3) with other
+    contents in the slots past the prompt?"""
     kernel = native.extension()
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(9, 40, 64, generator=generator).bfloat16()
