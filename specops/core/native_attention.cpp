@@ -249,7 +249,6 @@ SPECOPS_AVX512 void attend_item_avx512(const Item& item, const void* q, void* ou
   }
 }
 
-
 // ---- AMX tiles (bf16) ----
 //
 // The products of attention on Intel's tile unit, for bf16 rows of any D up to 128 (zero-padded to whole tiles).
@@ -259,22 +258,14 @@ SPECOPS_AVX512 void attend_item_avx512(const Item& item, const void* q, void* ou
 // 32 keys at a time, in key order. A row's keys past its own end weigh exactly 0, so the other rows of its tile
 // (which may see further) add only zeros to its sums: its result is its own query and visible slots' alone.
 
-#define SPECOPS_AMX_ATTENTION __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
 constexpr int64_t kTile = 16;       // queries per tile; keys per scores tile; pairs per weights tile
 constexpr int64_t kPairKeys = 32;   // keys per weighted-sum tile product
 constexpr int64_t kMaxDims = 128;   // D up to 4 tiles of 32 dims
 
-// Every tile 16 rows of 64 bytes (ldtilecfg's palette 1 layout). Scores: tile 0 the sums, 1 the queries, 2 the
-// keys. Weighted sum: tiles 0-3 the sums of 4 chunks of 16 dims, 4 the weights, 5 the values.
-struct alignas(64) AttentionTiles {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-SPECOPS_AMX_ATTENTION void configure_attention_tiles() {
-  AttentionTiles config;
+// Every tile 16 rows of 64 bytes. Scores: tile 0 the sums, 1 the queries, 2 the keys. Weighted sum: tiles 0-3 the
+// sums of 4 chunks of 16 dims, 4 the weights, 5 the values.
+SPECOPS_AMX_TARGET void configure_attention_tiles() {
+  TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = kTile;
     config.colsb[t] = 64;
@@ -283,7 +274,7 @@ SPECOPS_AMX_ATTENTION void configure_attention_tiles() {
 }
 
 // 16 rows of 16 32-bit words, transposed in place: row x then holds word x of every input row.
-SPECOPS_AMX_ATTENTION inline void transpose16(__m512i* r) {
+SPECOPS_AMX_TARGET inline void transpose16(__m512i* r) {
   __m512i t[16], u[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -307,13 +298,13 @@ SPECOPS_AMX_ATTENTION inline void transpose16(__m512i* r) {
 }
 
 // The bf16 elements [from, from + count) of a row (count <= 32) as 32 elements, zeros past them.
-SPECOPS_AMX_ATTENTION inline __m512i load_dims(const uint16_t* row, int64_t count) {
+SPECOPS_AMX_TARGET inline __m512i load_dims(const uint16_t* row, int64_t count) {
   return _mm512_maskz_loadu_epi16(count >= 32 ? ~0u : (1u << count) - 1, row);
 }
 
 // Keys j0..j0+15 (zeros at and past `keys`), dims 32c..32c+31 of each: the scores' weight tile, whose row x
 // holds dims 32c+2x and 32c+2x+1 of every key (the cache's rows transposed as pairs).
-SPECOPS_AMX_ATTENTION void key_tile(const uint16_t* cache, int64_t d, int64_t j0, int64_t keys, int64_t c,
+SPECOPS_AMX_TARGET void key_tile(const uint16_t* cache, int64_t d, int64_t j0, int64_t keys, int64_t c,
                                     uint16_t* tile) {
   __m512i r[kTile];
   for (int n = 0; n < kTile; ++n) {
@@ -324,7 +315,7 @@ SPECOPS_AMX_ATTENTION void key_tile(const uint16_t* cache, int64_t d, int64_t j0
   for (int x = 0; x < kTile; ++x) _mm512_storeu_si512(tile + 32 * x, r[x]);
 }
 
-SPECOPS_AMX_ATTENTION void attend_item_amx(const Item& item, const void* q, void* out, const Shape& s, Buffers& b) {
+SPECOPS_AMX_TARGET void attend_item_amx(const Item& item, const void* q, void* out, const Shape& s, Buffers& b) {
   const int64_t rows = static_cast<int64_t>(item.rows.size()), queries = s.groups * rows;
   const int64_t tiles = (queries + kTile - 1) / kTile, d = s.d, chunks = (d + 31) / 32, dims = (d + 15) / 16;
   const int64_t keys = *std::max_element(item.ends.begin(), item.ends.end());

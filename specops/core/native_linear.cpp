@@ -89,15 +89,7 @@ SPECOPS_TARGET void rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int6
   static_assert(kRows == 6, "the switch covers 1..kRows-1 rows");
 }
 
-// --- AMX tiles -------------------------------------------------------------------------------------------------
-#define SPECOPS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-// The tile registers' shapes (ldtilecfg's 64-byte palette 1 layout).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+// --- AMX tiles (SPECOPS_AMX_TARGET and TileConfig: native_linear.h) ------------------------------------------
 
 // Sums 0-3 (rows r0 of blocks 0 and 1, rows r1 of blocks 0 and 1), inputs 4-5, weights 6-7.
 SPECOPS_AMX_TARGET void configure(int r0, int r1) {

@@ -11,6 +11,16 @@ bool linear_supported();
 // Whether this CPU runs the tiles' kernel too: AMX with bf16 (and Linux granted the process the tiles' state).
 bool amx_supported();
 
+// What code on the tiles is compiled for (the products here, attention in native_attention.cpp).
+#define SPECOPS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// The tile registers' shapes (ldtilecfg's 64-byte palette 1 layout), loaded by each kernel for its own tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // weight [N, K] bf16 (N a multiple of 16, K even) packed for linear_packed: for the dot products (amx false)
 // [N / 16, K / 2, 16, 2], each 16 outputs' weights for two inputs in one AVX-512 register; for the tiles
 // [N / 16, ceil(K / 32), 16, 16, 2], each [16 pairs, 16 outputs, 2] one tile, K padded with zeros.
